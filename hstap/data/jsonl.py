@@ -1,0 +1,70 @@
+"""Conversations from a JSONL file in the OpenAI chat format: one `{"id": str, "messages": [...]}` per line.
+
+Structural errors (a line that is not JSON, no `messages` list, a non-string role or content, no id) raise
+HstapError naming `path:line` and the field, since they mean the file is not what the user thinks it is.
+Content problems (empty turns, unknown roles, roles out of order) skip the record and count it in the report,
+by the same rules as ShareGPT. Blank lines are not records and are passed over.
+
+    from hstap.data import iter_jsonl
+    for conv in iter_jsonl("prompts.jsonl"): ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from hstap.data.checks import message_problem
+from hstap.data.types import Conversation, SkipReport
+from hstap.errors import HstapError
+
+
+def iter_jsonl(path: Path | str, report: SkipReport | None = None) -> Iterator[Conversation]:
+    """Valid conversations from `path`; a repeated id keeps the first record and counts `duplicate_id`."""
+    path = Path(path)
+    if not path.is_file():
+        raise HstapError(f"{path}: file not found (expected a JSONL file of {{'id', 'messages'}} records)")
+    return _iter_records(path, report)  # checked above, eagerly: a generator would only fail on first next()
+
+
+def _iter_records(path: Path, report: SkipReport | None) -> Iterator[Conversation]:
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            conv_id, messages = _parse_line(line, f"{path}:{lineno}")
+            reason = message_problem(messages)
+            if reason is None and conv_id in seen:
+                reason = "duplicate_id"
+            if reason is not None:
+                if report is not None:
+                    report.add(reason)
+                continue
+            seen.add(conv_id)
+            yield Conversation(id=conv_id, messages=messages, source=str(path))
+
+
+def _parse_line(line: str, where: str) -> tuple[str, list[dict[str, str]]]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise HstapError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise HstapError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if not isinstance(record.get("id"), str) or not record["id"]:
+        raise HstapError(f"{where}: field 'id' must be a non-empty string, got {record.get('id')!r}")
+    raw = record.get("messages")
+    if not isinstance(raw, list):
+        raise HstapError(f"{where}: field 'messages' must be a list of {{'role', 'content'}} objects, "
+                         f"got {type(raw).__name__ if raw is not None else 'nothing'}")
+    messages = []
+    for k, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise HstapError(f"{where}: field 'messages[{k}]' must be an object, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise HstapError(f"{where}: field 'messages[{k}].{key}' must be a string, got {m.get(key)!r}")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return record["id"], messages

@@ -1,0 +1,96 @@
+"""JSONL in the OpenAI chat format: round trip, skip-and-count for bad turns, one-line errors for bad structure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hstap.data import SkipReport, iter_jsonl, open_source
+from hstap.errors import HstapError
+
+
+def _write(path, rows: list) -> str:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def _msgs(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def test_round_trip_keeps_messages_and_ignores_extras(tmp_path):
+    rows = [
+        {"id": "a", "messages": _msgs(("system", "s"), ("user", "q"), ("assistant", "a")), "model": "x"},
+        {"id": "b", "messages": [{"role": "user", "content": "prompt only", "name": "bob"}]},
+    ]
+    path = _write(tmp_path / "chat.jsonl", rows[:1] + [""] + rows[1:])  # a blank line is not a record
+    report = SkipReport()
+    convs = list(iter_jsonl(path, report))
+    assert [c.id for c in convs] == ["a", "b"]
+    assert convs[0].messages == rows[0]["messages"]
+    assert convs[1].messages == _msgs(("user", "prompt only"))  # extra keys dropped, trailing user kept
+    assert convs[0].source == path and report.counts == {}
+
+
+def test_bad_turns_are_skipped_and_counted(tmp_path):
+    rows = [
+        {"id": "empty", "messages": _msgs(("user", "q"), ("assistant", " "))},
+        {"id": "tool", "messages": _msgs(("user", "q"), ("tool", "x"))},
+        {"id": "order", "messages": _msgs(("assistant", "a"), ("user", "q"))},
+        {"id": "none", "messages": []},
+        {"id": "ok", "messages": _msgs(("user", "q"), ("assistant", "a"))},
+        {"id": "ok", "messages": _msgs(("user", "q2"), ("assistant", "a2"))},
+    ]
+    report = SkipReport()
+    convs = list(iter_jsonl(_write(tmp_path / "c.jsonl", rows), report))
+    assert [c.messages[0]["content"] for c in convs] == ["q"]
+    assert report.counts == {"empty_turn": 1, "bad_role": 1, "first_not_user": 1, "empty_conversation": 1,
+                             "duplicate_id": 1}
+    assert report.summary() == ("skipped 5 (bad_role=1, duplicate_id=1, empty_conversation=1, empty_turn=1, "
+                                "first_not_user=1)")
+
+
+GOOD = {"id": "ok", "messages": _msgs(("user", "q"), ("assistant", "a"))}
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ('{"id": "x", "messages": [', r"c\.jsonl:2: not valid JSON"),
+    ({"id": "x"}, r"c\.jsonl:2: field 'messages' must be a list of \{'role', 'content'\} objects, got nothing"),
+    ({"id": "x", "messages": "hi"}, r"c\.jsonl:2: field 'messages' must be a list .* got str"),
+    ({"messages": GOOD["messages"]}, r"c\.jsonl:2: field 'id' must be a non-empty string, got None"),
+    ({"id": 7, "messages": GOOD["messages"]}, r"c\.jsonl:2: field 'id' must be a non-empty string, got 7"),
+    ({"id": "x", "messages": [{"role": 1, "content": "q"}]}, r"c\.jsonl:2: field 'messages\[0\]\.role' must be"),
+    ({"id": "x", "messages": [{"role": "user"}]}, r"c\.jsonl:2: field 'messages\[0\]\.content' must be a string"),
+    ({"id": "x", "messages": ["q"]}, r"c\.jsonl:2: field 'messages\[0\]' must be an object"),
+    ("[1, 2]", r"c\.jsonl:2: expected a JSON object, got list"),
+])
+def test_structural_errors_name_path_line_and_field(tmp_path, bad, expected):
+    path = _write(tmp_path / "c.jsonl", [GOOD, bad])
+    with pytest.raises(HstapError, match=expected) as info:
+        list(iter_jsonl(path))
+    assert "\n" not in str(info.value)
+
+
+def test_open_source_jsonl_limit_counts_valid_records(tmp_path):
+    rows = [{"id": "bad", "messages": []}] + [dict(GOOD, id=f"r{i}") for i in range(5)]
+    report = SkipReport()
+    convs = list(open_source(f"jsonl:{_write(tmp_path / 'c.jsonl', rows)}", limit=3, report=report))
+    assert [c.id for c in convs] == ["r0", "r1", "r2"]
+    assert report.counts == {"empty_conversation": 1}
+
+
+def test_open_source_errors(tmp_path):
+    with pytest.raises(HstapError, match="unknown data source 'alpaca': expected one of sharegpt, mt-bench, "
+                                         "jsonl:PATH"):
+        open_source("alpaca")
+    with pytest.raises(HstapError, match="unknown data source 'jsonl:'"):
+        open_source("jsonl:")
+    with pytest.raises(HstapError, match="nope.jsonl: file not found"):
+        open_source(f"jsonl:{tmp_path / 'nope.jsonl'}")
+
+
+def test_open_source_sharegpt_limit():
+    report = SkipReport()
+    convs = list(open_source("sharegpt", limit=5, report=report))
+    assert len(convs) == 5 and convs[0].id == "QWJhYvA_0"
