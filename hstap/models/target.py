@@ -130,10 +130,19 @@ def resolve_model_dir(model: str) -> tuple[Path, str]:
     return path, str(path.resolve())
 
 
+def _quiet_transformers() -> None:
+    # transformers' own per-load progress bars and advisory warnings would drown hstap's one-line errors and bars.
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def load_tokenizer(model: str):
     """The target's tokenizer alone (no weights): enough for rendering and loss masks."""
     from transformers import AutoTokenizer
 
+    _quiet_transformers()
     path, _ = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
@@ -145,6 +154,7 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = Non
     """Load the target in eval mode; fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     path, model_id = resolve_model_dir(model)
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -1,0 +1,60 @@
+"""transformers adapter: forward hooks on the decoder layers (and lm_head / final norm for the teacher).
+
+Hooks are registered on entry and removed on exit; they read outputs and never return a value, so the model's
+outputs are untouched. They act only between `tap.begin()` and `tap.end()`, so any other use of the same model
+(`generate`, evaluation) passes straight through.
+
+    with hf_taps(model, tap, layer_ids=[1, 14, 26]):
+        tap.begin(batch); model(input_ids=..., attention_mask=...); tap.end()
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from hstap.capture.tap import Tap
+from hstap.errors import HstapError
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer list of a transformers causal LM (Llama, Qwen, Mistral, … all use `model.layers`)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise HstapError(f"{type(model).__name__}: no `model.layers` ModuleList found; this adapter supports "
+                         "decoder-only transformers models whose blocks live in model.model.layers")
+    return layers
+
+
+def _first_tensor(output) -> torch.Tensor:
+    # transformers ≥ 5 decoder layers return a tensor; older ones a tuple whose first item is the hidden state.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind: str = "topk") -> Iterator[None]:
+    """Register read-only forward hooks feeding `tap`; remove them however the block exits."""
+    layers = decoder_layers(model)
+    handles = []
+
+    def layer_hook(name: str):
+        def hook(module, args, output) -> None:
+            if tap.active():
+                tap.record(name, _first_tensor(output))
+        return hook
+
+    try:
+        for k in layer_ids:
+            handles.append(layers[k].register_forward_hook(layer_hook(f"hidden.{k}")))
+        if teacher_kind == "topk":
+            head = model.get_output_embeddings()
+            handles.append(head.register_forward_hook(layer_hook("teacher")))
+        else:
+            handles.append(model.model.norm.register_forward_hook(layer_hook("teacher")))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

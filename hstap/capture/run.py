@@ -1,0 +1,184 @@
+"""`hstap capture`: render conversations, prefill them through the embedded target with the tap on, store the result.
+
+    hstap capture --model smollm2 --data sharegpt --limit 200 --out runs/cap --layers auto --dtype bf16
+
+Re-running the same command on the same `--out` resumes: committed samples are skipped, nothing is duplicated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from tqdm import tqdm
+
+from hstap.capture.hf import hf_taps
+from hstap.capture.layers import parse_layers
+from hstap.capture.tap import STORAGE_DTYPES, Batch, Tap, TapReport, TeacherSpec
+from hstap.data import RenderedSample, SkipReport, open_source, render
+from hstap.errors import HstapError
+from hstap.models import load_target, load_tokenizer
+from hstap.store import StoreMeta, StoreWriter, bytes_per_token, check_free_space
+
+
+class CaptureConfig(BaseModel):
+    """Everything a capture run depends on; `--plan` prints it resolved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2"
+    data: str = "sharegpt"
+    limit: int | None = None
+    out: Path
+    layers: str = "auto"
+    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+    teacher: str = "topk:32"
+    batch_tokens: int = 4096
+    max_tokens: int = 2048
+    overlong: Literal["truncate", "skip"] = "truncate"
+    device: str = "cpu"
+    shard_mb: float = 256
+    force: bool = False
+
+
+@dataclass
+class CaptureResult:
+    out: Path
+    captured: int
+    skipped_committed: int
+    tokens: int
+    seconds: float
+    data_report: SkipReport
+    tap_report: TapReport
+    cleaned: list[str]
+
+    def summary(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        lines = [
+            f"captured {self.captured} samples ({self.tokens} tokens, {rate:.0f} tok/s) into {self.out}",
+            f"resumed past {self.skipped_committed} already-committed samples" if self.skipped_committed else "",
+            f"data: {self.data_report.summary()}",
+            self.tap_report.summary(),
+            f"removed leftovers of an interrupted run: {', '.join(self.cleaned)}" if self.cleaned else "",
+        ]
+        return "\n".join(line for line in lines if line)
+
+
+def render_all(cfg: CaptureConfig, tokenizer, report: SkipReport) -> list[RenderedSample]:
+    """Render every source record up front: exact token counts for the disk estimate, and early data errors."""
+    samples = []
+    for conv in open_source(cfg.data, report=report):
+        if cfg.limit is not None and len(samples) >= cfg.limit:
+            break  # `--limit N` means N usable samples, counted after rendering
+        sample = render(conv, tokenizer, max_tokens=cfg.max_tokens, overlong=cfg.overlong, report=report)
+        if sample is not None:
+            samples.append(sample)
+    return samples
+
+
+def make_batches(samples: list[RenderedSample], batch_tokens: int) -> Iterator[list[RenderedSample]]:
+    """Consecutive samples while the padded batch (count × longest) fits in `batch_tokens`; order is kept so the
+    store's order matches the source's."""
+    batch: list[RenderedSample] = []
+    longest = 0
+    for sample in samples:
+        n = len(sample.input_ids)
+        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(sample)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def _to_model_inputs(batch: list[RenderedSample], pad_id: int, device: str) -> tuple[dict, Batch]:
+    longest = max(len(s.input_ids) for s in batch)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    host = []
+    for row, s in enumerate(batch):
+        n = len(s.input_ids)
+        sample_ids = torch.tensor(s.input_ids, dtype=torch.long)
+        ids[row, :n] = sample_ids  # right padding: real tokens keep positions 0..n-1
+        mask[row, :n] = 1
+        host.append({"input_ids": sample_ids.to(torch.int32), "loss_mask": torch.tensor(s.loss_mask)})
+    layout = Batch(ids=[s.id for s in batch], rows=list(range(len(batch))), starts=[0] * len(batch),
+                   lengths=[len(s.input_ids) for s in batch], host=host)
+    pin = device.startswith("cuda")
+    inputs = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=pin),
+              "attention_mask": (mask.pin_memory() if pin else mask).to(device, non_blocking=pin)}
+    return inputs, layout
+
+
+def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
+    return StoreMeta(model_id=target.model_id, model_fingerprint=target.fingerprint, layer_ids=layer_ids,
+                     hidden_size=target.hidden_size, hidden_dtype=str(STORAGE_DTYPES[cfg.dtype]).split(".")[-1],
+                     teacher=teacher.to_dict(), extra={"data": cfg.data, "max_tokens": cfg.max_tokens})
+
+
+def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
+    """Capture `cfg.data` through `cfg.model` into the store at `cfg.out` (resuming if it exists)."""
+    teacher = TeacherSpec.parse(cfg.teacher)
+    report = SkipReport()
+    samples = render_all(cfg, load_tokenizer(cfg.model), report)
+    if not samples:
+        raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
+    target = load_target(cfg.model, device=cfg.device)
+    layer_ids = parse_layers(cfg.layers, target.num_layers)
+    meta = capture_meta(target, layer_ids, cfg, teacher)
+    with StoreWriter(cfg.out, meta, shard_bytes=int(cfg.shard_mb * 2**20)) as writer:
+        todo = [s for s in samples if s.id not in writer.committed_ids]
+        tokens = sum(len(s.input_ids) for s in todo)
+        per_token = _bytes_per_token(layer_ids, target.hidden_size, cfg.dtype, teacher)
+        print(f"hstap capture: {len(todo)} samples, {tokens} tokens to go; estimated disk use "
+              f"{per_token * tokens / 2**20:.1f} MiB ({per_token} B/token) in {cfg.out}", flush=True)
+        check_free_space(cfg.out, per_token * tokens, cfg.force)
+        start = time.perf_counter()
+        tap_report = _prefill_with_tap(target, todo, layer_ids, teacher, cfg, sink=writer.add, progress=progress)
+        seconds = time.perf_counter() - start
+    return CaptureResult(out=cfg.out, captured=tap_report.samples_written, skipped_committed=len(samples) - len(todo),
+                         tokens=tokens, seconds=seconds, data_report=report, tap_report=tap_report,
+                         cleaned=list(writer.cleaned))
+
+
+def _prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec,
+                      cfg: CaptureConfig, sink, progress: bool) -> TapReport:
+    """Prefill every sample in padded batches with the tap on; the tap's writer thread feeds `sink`."""
+    names = {f"hidden.{k}" for k in layer_ids} | {"teacher"}
+    tap = Tap(names, sink=sink, storage_dtype=STORAGE_DTYPES[cfg.dtype], teacher=teacher,
+              hidden_size=target.hidden_size)
+    bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
+               disable=not progress)
+    try:
+        with hf_taps(target.model, tap, layer_ids, teacher.kind), torch.inference_mode():
+            for batch in make_batches(todo, cfg.batch_tokens):
+                inputs, layout = _to_model_inputs(batch, target.tokenizer.pad_token_id, cfg.device)
+                tap.wait_capacity()
+                tap.begin(layout)
+                target.model(**inputs, use_cache=False)
+                tap.end()
+                bar.update(sum(layout.lengths))
+    finally:
+        report = tap.close()
+        bar.close()
+    return report
+
+
+def _bytes_per_token(layer_ids: list[int], hidden: int, dtype: str, teacher: TeacherSpec) -> int:
+    from hstap.store import TensorSpec
+
+    dt = str(STORAGE_DTYPES[dtype]).split(".")[-1]
+    specs = {f"hidden.{k}": TensorSpec(dtype=dt, shape=[hidden]) for k in layer_ids}
+    specs["input_ids"] = TensorSpec(dtype="int32", shape=[])
+    specs["loss_mask"] = TensorSpec(dtype="bool", shape=[])
+    if teacher.kind == "topk":
+        specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[teacher.k])
+        specs["teacher.topk_logprobs"] = TensorSpec(dtype="float16", shape=[teacher.k])
+    else:
+        specs["teacher.hidden"] = TensorSpec(dtype=dt, shape=[hidden])
+    return bytes_per_token(specs)
