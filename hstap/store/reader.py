@@ -1,0 +1,201 @@
+"""Read a store lazily: the index comes from the manifest alone, shards open on demand, only a sample's rows are read.
+
+    from hstap.store import open_store, verify_store
+    store = open_store("runs/cap")
+    s = store[0]      # {"id", "input_ids": [S] int64, "loss_mask": [S] bool, "hidden": {14: [S, H]}, "teacher": {...}}
+    problems = verify_store("runs/cap")      # [] when every listed shard is present, complete and unmodified
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from hstap.errors import HstapError
+from hstap.store.estimate import human_bytes
+from hstap.store.manifest import MANIFEST_NAME, Manifest, SampleEntry, ShardInfo, load_manifest
+
+OPEN_SHARDS = 4  # handles kept open: enough for sequential reads and a shuffled window, few file descriptors
+HASH_CHUNK = 8 << 20
+
+
+class Store:
+    """Random access to a committed store. Not thread-safe (the handle cache); DataLoader worker processes are fine."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        # (shard index, entry) per sample in store order: shard order, then sample order within the shard
+        self._index: list[tuple[int, SampleEntry]] = [
+            (i, e) for i, shard in enumerate(manifest.shards) for e in shard.samples
+        ]
+        self._by_id = {e.id: n for n, (_, e) in enumerate(self._index)}
+        self._handles: OrderedDict[int, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One sample, read from its shard's rows only; negative indices count from the end."""
+        n = len(self._index)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for a store of {n} samples")
+        shard_idx, entry = self._index[i]
+        handle = self._handle(shard_idx)
+        rows = slice(entry.offset, entry.offset + entry.length)
+        sample: dict[str, Any] = {"id": entry.id, "hidden": {}, "teacher": {}}
+        for name in self.manifest.tensors:
+            t = handle.get_slice(name)[rows]  # (S, *shape)
+            if name == "input_ids":
+                sample[name] = t.long()  # int32 on disk, int64 for embedding lookups
+            elif name.startswith("hidden.") and name[7:].lstrip("-").isdigit():
+                sample["hidden"][int(name[7:])] = t
+            elif name.startswith("teacher."):
+                sample["teacher"][name[8:]] = t
+            else:
+                sample[name] = t
+        return sample
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def ids(self) -> list[str]:
+        """Sample ids in store order."""
+        return [e.id for _, e in self._index]
+
+    def index_of(self, sample_id: str) -> int:
+        """Position of `sample_id`; KeyError if absent."""
+        try:
+            return self._by_id[sample_id]
+        except KeyError:
+            raise KeyError(f"sample {sample_id!r} is not in store {self.path}") from None
+
+    def close(self) -> None:
+        """Drop the cached shard handles (safetensors closes a file when its handle is collected)."""
+        self._handles.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Handles don't pickle; DataLoader workers reopen shards themselves.
+        return {**self.__dict__, "_handles": OrderedDict()}
+
+    def _handle(self, shard_idx: int) -> Any:
+        if shard_idx in self._handles:
+            self._handles.move_to_end(shard_idx)
+            return self._handles[shard_idx]
+        file = self.path / self.manifest.shards[shard_idx].file
+        if not file.exists():
+            raise HstapError(f"shard {file} is listed in the manifest but missing: the store is damaged, re-capture it")
+        handle = safe_open(str(file), framework="pt")
+        self._handles[shard_idx] = handle
+        if len(self._handles) > OPEN_SHARDS:
+            self._handles.popitem(last=False)
+        return handle
+
+
+def _load(path: Path | str) -> tuple[Path, Manifest]:
+    path = Path(path)
+    file = path / MANIFEST_NAME
+    if not file.exists():
+        raise HstapError(f"no {MANIFEST_NAME} in {path}: not an hstap store (or nothing committed yet)")
+    return path, load_manifest(file)
+
+
+def open_store(path: Path | str) -> Store:
+    """Open a store for reading; reads the manifest only, no shard.
+
+    Raises:
+        HstapError: no manifest in `path`, or an unreadable one.
+    """
+    return Store(*_load(path))
+
+
+def _sha256_file(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard_problems(path: Path, shard: ShardInfo, manifest: Manifest) -> list[str]:
+    file = path / shard.file
+    if not file.is_file():
+        return [f"{shard.file}: missing"]
+    size = file.stat().st_size
+    if size != shard.bytes:
+        return [f"{shard.file}: {size} bytes on disk, manifest says {shard.bytes} (truncated or replaced)"]
+    if _sha256_file(file) != shard.sha256:
+        return [f"{shard.file}: sha256 mismatch (contents changed since commit)"]
+    problems = []
+    lengths = sum(e.length for e in shard.samples)
+    if lengths != shard.num_tokens:
+        problems.append(f"{shard.file}: sample lengths sum to {lengths}, manifest says num_tokens={shard.num_tokens}")
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        for name, spec in manifest.tensors.items():
+            if name not in keys:
+                problems.append(f"{shard.file}: tensor {name!r} missing")
+                continue
+            shape = f.get_slice(name).get_shape()
+            if shape != [shard.num_tokens, *spec.shape]:
+                problems.append(f"{shard.file}: tensor {name!r} has shape {shape}, expected "
+                                f"{[shard.num_tokens, *spec.shape]}")
+    return problems
+
+
+def verify_store(path: Path | str) -> list[str]:
+    """Check every listed shard (present, size, sha256, tensor shapes) and the totals; [] when all is well.
+
+    Reads every byte of the store (streamed), so it costs one full pass over the disk.
+    """
+    path, manifest = _load(path)
+    problems: list[str] = []
+    for shard in manifest.shards:
+        problems += _shard_problems(path, shard, manifest)
+    samples = sum(len(s.samples) for s in manifest.shards)
+    tokens = sum(s.num_tokens for s in manifest.shards)
+    nbytes = sum(s.bytes for s in manifest.shards)
+    t = manifest.totals
+    if (samples, tokens, nbytes) != (t.samples, t.tokens, t.bytes):
+        problems.append(
+            f"{MANIFEST_NAME}: totals say {t.samples} samples / {t.tokens} tokens / {t.bytes} bytes, "
+            f"shards add up to {samples} / {tokens} / {nbytes}"
+        )
+    seen: dict[str, str] = {}
+    for shard in manifest.shards:
+        for e in shard.samples:
+            if e.id in seen:
+                problems.append(f"{shard.file}: sample {e.id!r} also in {seen[e.id]}")
+            seen[e.id] = shard.file
+    return problems
+
+
+def store_info(path: Path | str) -> dict[str, Any]:
+    """Summary for `hstap store info`, from the manifest and file sizes only (no shard is read)."""
+    path, manifest = _load(path)
+    meta, totals = manifest.meta, manifest.totals
+    on_disk = sum((path / s.file).stat().st_size for s in manifest.shards if (path / s.file).exists())
+    return {
+        "path": str(path),
+        "samples": totals.samples,
+        "tokens": totals.tokens,
+        "shards": len(manifest.shards),
+        "layer_ids": meta.layer_ids,
+        "hidden_size": meta.hidden_size,
+        "hidden_dtype": meta.hidden_dtype,
+        "teacher": meta.teacher,
+        "tensors": {n: f"{s.dtype}{s.shape}" for n, s in manifest.tensors.items()},
+        "bytes_per_token": totals.bytes / totals.tokens if totals.tokens else 0.0,
+        "bytes_on_disk": on_disk,
+        "size": human_bytes(on_disk),
+        "model_id": meta.model_id,
+        "model_fingerprint": meta.model_fingerprint,
+        "created": manifest.created,
+        "updated": manifest.updated,
+    }

@@ -1,0 +1,280 @@
+"""Append captured samples to a store: buffered, sharded, atomic, resumable.
+
+    from hstap.store import StoreMeta, StoreWriter
+    with StoreWriter("runs/cap", meta, shard_bytes=256 << 20) as w:
+        for sid, tensors in samples:
+            if sid not in w.committed_ids:
+                w.add(sid, tensors)     # {"input_ids": [S], "loss_mask": [S], "hidden.14": [S, H], ...}
+
+Commit order (the crash-safety argument): shard bytes -> `shard-NNNNN.safetensors.tmp` -> fsync -> rename ->
+fsync dir -> manifest (same dance). Until the manifest lists a shard it is not part of the store; on reopen
+the writer deletes such orphans and leftover `.tmp` files and reports them in `cleaned`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors.torch import save as st_save
+
+from hstap.errors import HstapError
+from hstap.store.estimate import bytes_per_token
+from hstap.store.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    SampleEntry,
+    ShardInfo,
+    StoreMeta,
+    TensorSpec,
+    Totals,
+    atomic_write,
+    dtype_name,
+    load_manifest,
+    torch_dtype,
+    now_iso,
+    save_manifest,
+)
+
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+LOCK_NAME = ".writer.lock"
+INT32 = torch.iinfo(torch.int32)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+class StoreWriter:
+    """Buffers samples and commits one safetensors shard each time `shard_bytes` are buffered.
+
+    Attributes:
+        committed_ids: ids already in the store (resume: skip these); grows as shards commit.
+        cleaned: files removed on open (orphan shards, leftover `.tmp`), so the caller can report them.
+    """
+
+    def __init__(self, path: Path | str, meta: StoreMeta, shard_bytes: int = 256 << 20) -> None:
+        self.path = Path(path)
+        self.meta = meta
+        self.shard_bytes = shard_bytes
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock(self.path)
+        try:
+            self.manifest = self._open_manifest()
+            self.cleaned = _remove_leftovers(self.path, {s.file for s in self.manifest.shards})
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self.committed_ids: set[str] = {e.id for s in self.manifest.shards for e in s.samples}
+        indices = [int(SHARD_RE.match(s.file).group(1)) for s in self.manifest.shards if SHARD_RE.match(s.file)]
+        self._next_index = max(indices, default=-1) + 1
+        # One growable (capacity, *shape) buffer per tensor name, reused across shards: add() copies each sample
+        # straight into it, so a shard costs one copy in (no per-sample clone, no torch.cat) and, after the first
+        # shard, no fresh pages (page faults dominated the write time on a busy 2-core VM).
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._rows = 0  # tokens buffered
+        self._entries: list[SampleEntry] = []
+        self._buffered_ids: set[str] = set()
+
+    def _open_manifest(self) -> Manifest:
+        file = self.path / MANIFEST_NAME
+        if not file.exists():
+            # Written now, not at first commit: a store with nothing committed still opens and reports 0 samples.
+            manifest = Manifest(meta=self.meta, created=now_iso(), updated=now_iso())
+            save_manifest(file, manifest)
+            return manifest
+        manifest = load_manifest(file)
+        _check_same_meta(self.path, manifest.meta, self.meta)
+        return manifest
+
+    def add(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Validate and buffer one sample; commits a shard once the buffer reaches `shard_bytes`.
+
+        The tensors are copied into the writer's buffers, so callers may reuse theirs (capture's pinned
+        buffers) right after `add` returns.
+        `input_ids` of any integer dtype are stored as int32 (the reader hands back int64).
+
+        Raises:
+            HstapError: duplicate id, a different key set, dtype or per-token shape than earlier samples,
+                or unequal dim 0; the message names the sample id and the tensor.
+        """
+        if sample_id in self.committed_ids or sample_id in self._buffered_ids:
+            raise HstapError(f"sample {sample_id!r} is already in the store {self.path}: ids must be unique")
+        prepared = {name: _prepare(sample_id, name, t) for name, t in tensors.items()}
+        _check_lengths(sample_id, prepared)
+        if not self.manifest.tensors:
+            specs = {n: TensorSpec(dtype=dtype_name(t.dtype), shape=list(t.shape[1:])) for n, t in prepared.items()}
+            _check_hidden_against_meta(sample_id, specs, self.meta)
+            self.manifest = self.manifest.model_copy(update={"tensors": specs})
+        _check_against_specs(sample_id, prepared, self.manifest.tensors)
+        length = int(next(iter(prepared.values())).shape[0])
+        self._reserve(self._rows + length)
+        for name, t in prepared.items():
+            self._bufs[name][self._rows : self._rows + length].copy_(t)  # (S, *shape), from any device
+        self._entries.append(SampleEntry(id=sample_id, offset=self._rows, length=length))
+        self._buffered_ids.add(sample_id)
+        self._rows += length
+        if self._rows * bytes_per_token(self.manifest.tensors) >= self.shard_bytes:
+            self._commit()
+
+    def _reserve(self, rows: int) -> None:
+        """Grow the buffers to hold `rows` tokens: first to about one shard, then by doubling."""
+        specs = self.manifest.tensors
+        cap = len(next(iter(self._bufs.values()))) if self._bufs else 0
+        if rows <= cap:
+            return
+        new_cap = max(rows, 2 * cap, self.shard_bytes // max(bytes_per_token(specs), 1) + 1)
+        for name, spec in specs.items():
+            buf = torch.empty((new_cap, *spec.shape), dtype=torch_dtype(spec.dtype))
+            if name in self._bufs:
+                buf[: self._rows] = self._bufs[name][: self._rows]
+            self._bufs[name] = buf
+
+    def flush(self) -> None:
+        """Commit whatever is buffered as one (possibly small) shard."""
+        if self._entries:
+            self._commit()
+
+    def close(self) -> None:
+        """Flush and release the writer lock."""
+        if self._lock_fd < 0:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            self._bufs = {}
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _commit(self) -> None:
+        entries, offset = self._entries, self._rows
+        joined = {n: b[:offset] for n, b in self._bufs.items()}  # each (N_tokens, *shape), contiguous views
+        # Sample ids in the header too: a shard stays self-describing if the manifest is ever lost.
+        header = {"hstap_schema_version": "1", "samples": json.dumps([[e.id, e.offset, e.length] for e in entries])}
+        data = st_save(joined, metadata=header)
+        del joined
+        digest = hashlib.sha256(data).hexdigest()
+        file = shard_name(self._next_index)
+        atomic_write(self.path / file, data)
+        shard = ShardInfo(file=file, sha256=digest, bytes=len(data), num_tokens=offset, samples=entries)
+        old = self.manifest
+        t = old.totals
+        totals = Totals(samples=t.samples + len(entries), tokens=t.tokens + offset, bytes=t.bytes + len(data))
+        manifest = old.model_copy(update={"shards": [*old.shards, shard], "totals": totals, "updated": now_iso()})
+        save_manifest(self.path / MANIFEST_NAME, manifest)
+        # Only now is the shard part of the store; update in-memory state after the manifest is durable.
+        self.manifest = manifest
+        self._next_index += 1
+        self.committed_ids |= self._buffered_ids
+        self._entries, self._buffered_ids, self._rows = [], set(), 0
+
+
+def _lock(path: Path) -> int:
+    # Two writers appending to one store would both pick the same next shard index and clobber each other.
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HstapError(f"another writer holds {path}: wait for it to finish or use another --out") from None
+    return fd
+
+
+def _check_same_meta(path: Path, stored: StoreMeta, asked: StoreMeta) -> None:
+    old, new = stored.model_dump(exclude={"extra"}), asked.model_dump(exclude={"extra"})
+    diffs = [f"{k}={old[k]}, this run asks {new[k]}" for k in old if old[k] != new[k]]
+    if diffs:
+        raise HstapError(
+            f"store {path} was captured with {'; '.join(diffs)}: use another --out or the same settings"
+        )
+
+
+def _remove_leftovers(path: Path, listed: set[str]) -> list[str]:
+    """Delete `.tmp` files and shard files the manifest does not list; return their names (never silent)."""
+    removed = []
+    for f in sorted(path.iterdir()):
+        is_tmp = f.name.endswith(".tmp") and (f.name.startswith("shard-") or f.name == MANIFEST_NAME + ".tmp")
+        is_orphan = SHARD_RE.match(f.name) is not None and f.name not in listed
+        if f.is_file() and (is_tmp or is_orphan):
+            f.unlink()
+            removed.append(f.name)
+    return removed
+
+
+def _prepare(sample_id: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise HstapError(f"sample {sample_id!r}: tensor {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.dim() == 0:
+        raise HstapError(f"sample {sample_id!r}: tensor {name!r} is a scalar; dim 0 must be the token axis")
+    if name == "input_ids" and t.dtype != torch.int32:
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise HstapError(
+                f"sample {sample_id!r}: tensor 'input_ids' has dtype {dtype_name(t.dtype)}, expected integers"
+            )
+        if t.numel() and (int(t.max()) > INT32.max or int(t.min()) < INT32.min):
+            raise HstapError(f"sample {sample_id!r}: tensor 'input_ids' has ids outside int32, which the store uses")
+        t = t.to(torch.int32)
+    return t.detach()
+
+
+def _check_lengths(sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
+    if not tensors:
+        raise HstapError(f"sample {sample_id!r} has no tensors")
+    lengths = {name: int(t.shape[0]) for name, t in tensors.items()}
+    first_name, first = next(iter(lengths.items()))
+    for name, n in lengths.items():
+        if n != first:
+            raise HstapError(
+                f"sample {sample_id!r}: tensor {name!r} has {n} tokens (dim 0) but {first_name!r} has {first}"
+            )
+    if first == 0:
+        raise HstapError(f"sample {sample_id!r}: tensor {first_name!r} has 0 tokens; nothing to store")
+
+
+def _check_against_specs(sample_id: str, tensors: dict[str, torch.Tensor], specs: dict[str, TensorSpec]) -> None:
+    missing, extra = sorted(set(specs) - set(tensors)), sorted(set(tensors) - set(specs))
+    if missing or extra:
+        raise HstapError(
+            f"sample {sample_id!r}: tensor set differs from the store's: missing {missing}, unexpected {extra}"
+        )
+    for name, t in tensors.items():
+        spec = specs[name]
+        if dtype_name(t.dtype) != spec.dtype:
+            raise HstapError(
+                f"sample {sample_id!r}: tensor {name!r} has dtype {dtype_name(t.dtype)}, the store has {spec.dtype}"
+            )
+        if list(t.shape[1:]) != spec.shape:
+            raise HstapError(
+                f"sample {sample_id!r}: tensor {name!r} has per-token shape {list(t.shape[1:])}, "
+                f"the store has {spec.shape}"
+            )
+
+
+def _check_hidden_against_meta(sample_id: str, specs: dict[str, TensorSpec], meta: StoreMeta) -> None:
+    """The first sample fixes the specs: make sure its `hidden.{k}` agree with what the manifest will claim."""
+    hidden = {n: s for n, s in specs.items() if n.startswith("hidden.")}
+    if not hidden:
+        return
+    ids = sorted(int(n.split(".", 1)[1]) for n in hidden if n.split(".", 1)[1].isdigit())
+    if ids != sorted(meta.layer_ids):
+        raise HstapError(
+            f"sample {sample_id!r}: tensors {sorted(hidden)} do not match layer_ids={meta.layer_ids} in the store meta"
+        )
+    for name, spec in hidden.items():
+        if spec.dtype != meta.hidden_dtype or spec.shape != [meta.hidden_size]:
+            raise HstapError(
+                f"sample {sample_id!r}: tensor {name!r} is {spec.dtype} {spec.shape}, the store meta says "
+                f"{meta.hidden_dtype} [{meta.hidden_size}]"
+            )
