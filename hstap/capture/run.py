@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from hstap.capture.hf import hf_taps
@@ -32,16 +32,16 @@ class CaptureConfig(BaseModel):
 
     model: str = "smollm2"
     data: str = "sharegpt"
-    limit: int | None = None
+    limit: int | None = Field(default=None, ge=1)
     out: Path
     layers: str = "auto"
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     teacher: str = "topk:32"
-    batch_tokens: int = 4096
-    max_tokens: int = 2048
+    batch_tokens: int = Field(default=4096, gt=0)
+    max_tokens: int = Field(default=2048, gt=0)
     overlong: Literal["truncate", "skip"] = "truncate"
     device: str = "cpu"
-    shard_mb: float = 256
+    shard_mb: float = Field(default=256, gt=0)
     force: bool = False
 
 
@@ -137,7 +137,9 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
         per_token = _bytes_per_token(layer_ids, target.hidden_size, cfg.dtype, teacher)
         print(f"hstap capture: {len(todo)} samples, {tokens} tokens to go; estimated disk use "
               f"{per_token * tokens / 2**20:.1f} MiB ({per_token} B/token) in {cfg.out}", flush=True)
-        check_free_space(cfg.out, per_token * tokens, cfg.force)
+        warning = check_free_space(cfg.out, per_token * tokens, cfg.force)
+        if warning:
+            print(f"hstap capture: warning: {warning}", flush=True)
         start = time.perf_counter()
         tap_report = _prefill_with_tap(target, todo, layer_ids, teacher, cfg, sink=writer.add, progress=progress)
         seconds = time.perf_counter() - start
