@@ -42,6 +42,11 @@ class Store:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """One sample, read from its shard's rows only; negative indices count from the end."""
+        return self.read(i)
+
+    def read(self, i: int, keys: set[str] | None = None) -> dict[str, Any]:
+        """Like `store[i]`, reading only the tensors named in `keys` (e.g. {"input_ids", "loss_mask"} to count
+        tokens without touching the hidden states)."""
         n = len(self._index)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
@@ -50,6 +55,8 @@ class Store:
         rows = slice(entry.offset, entry.offset + entry.length)
         sample: dict[str, Any] = {"id": entry.id, "hidden": {}, "teacher": {}}
         for name in self.manifest.tensors:
+            if keys is not None and name not in keys:
+                continue
             t = handle.get_slice(name)[rows]  # (S, *shape)
             if name == "input_ids":
                 sample[name] = t.long()  # int32 on disk, int64 for embedding lookups

@@ -146,3 +146,18 @@ def test_store_info(store_dir):
     assert info["layer_ids"] == LAYERS and info["hidden_size"] == 16 and info["hidden_dtype"] == "bfloat16"
     assert info["teacher"] == {"kind": "topk", "k": 4}
     assert info["model_id"] == "test/tiny" and info["model_fingerprint"] == "abc123"
+
+
+def test_read_selected_keys_only(tmp_path):
+    import torch
+
+    from hstap.store import StoreMeta, StoreWriter, open_store
+
+    meta = StoreMeta(model_id="m", model_fingerprint="f", layer_ids=[1], hidden_size=4, hidden_dtype="float32",
+                     teacher={"kind": "hidden"})
+    with StoreWriter(tmp_path, meta) as w:
+        w.add("a", {"input_ids": torch.arange(3, dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1]).bool(),
+                    "hidden.1": torch.randn(3, 4), "teacher.hidden": torch.randn(3, 4)})
+    sample = open_store(tmp_path).read(0, keys={"input_ids", "loss_mask"})
+    assert sample["input_ids"].tolist() == [0, 1, 2] and sample["loss_mask"].tolist() == [False, True, True]
+    assert sample["hidden"] == {} and sample["teacher"] == {}

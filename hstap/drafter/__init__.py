@@ -1,0 +1,8 @@
+"""The EAGLE-3 drafter: config, model, draft vocabulary."""
+
+from hstap.drafter.config import DrafterConfig
+from hstap.drafter.model import Eagle3Drafter
+from hstap.drafter.vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
+
+__all__ = ["DrafterConfig", "Eagle3Drafter", "build_draft_vocab", "count_tokens", "draft_to_target_ids",
+           "target_to_draft_ids"]

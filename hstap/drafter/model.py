@@ -1,0 +1,175 @@
+"""The EAGLE-3 draft model.
+
+    h0      = fc(concat(aux_1, aux_2, aux_3))                      (B, S, 3H) -> (B, S, H)
+    x       = concat(input_norm(embed(token)), hidden_norm(h))     (B, S, 2H)
+    h'      = h + attn(x);  h'' = h' + mlp(post_norm(h'))          one Llama-style decoder layer
+    logits  = lm_head(norm(h''))                                   (B, S, draft_vocab)
+
+`h''` (pre-norm) is what the next draft step reads instead of `h0`. The embedding is the target's, frozen.
+Parameter names are the ones SGLang's `LlamaForCausalLMEagle3` loads (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`), so export is a rename-free copy. Attention is passed in as a function: training-time test, chain and tree
+decoding differ only in which keys a query may see.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hstap.drafter.config import DrafterConfig
+
+# (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, n, S, hd); cos/sin (B, S, hd)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Rotary(nn.Module):
+    """Llama 'default' RoPE, the same frequencies as the target's so positions mean the same thing."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # (B, S, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.nh, self.hd).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.k_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.v_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v)  # (B, nh, S, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: AttendFn) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
+        hidden = hidden + self.self_attn(x, cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        n_aux = len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def init_from_target(self, target_model: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy (and freeze) the target's embedding; install the draft vocabulary maps."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """(B, S, n_aux*H_target) concatenated target layers → (B, S, H)."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (token ids, previous hidden, positions) → (next hidden (B,S,H), logits (B,S,Vd))."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embedding (it is the target's, restored by `init_from_target`)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def save_pretrained(self, out_dir: Path | str, include_embedding: bool = True) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.config.save(out / "config.json")
+        state = self.state_dict() if include_embedding else self.trainable_state_dict()
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt", "hstap": json.dumps({"aux_layer_ids": self.config.aux_layer_ids})})
+
+    @classmethod
+    def from_pretrained(cls, run_dir: Path | str, target_model: nn.Module | None = None) -> "Eagle3Drafter":
+        """Load weights saved by `save_pretrained`; without a saved embedding, `target_model` must supply it."""
+        run_dir = Path(run_dir)
+        model = cls(DrafterConfig.load(run_dir / "config.json"))
+        state = load_file(str(run_dir / "model.safetensors"))
+        if "embed_tokens.weight" not in state:
+            if target_model is None:
+                from hstap.errors import HstapError
+
+                raise HstapError(f"{run_dir}/model.safetensors has no embedding: pass the target model to restore it")
+            state["embed_tokens.weight"] = target_model.get_input_embeddings().weight.detach().cpu()
+        model.load_state_dict(state, strict=True)
+        return model

@@ -1,0 +1,49 @@
+"""The draft vocabulary: the N most frequent target tokens among the tokens the drafter must predict.
+
+Two maps, in the layout SGLang and vLLM load:
+- `d2t` int64 [N]: target id = draft id + d2t[draft id] (an offset, not the id itself);
+- `t2d` bool [V]: which target ids are in the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from hstap.errors import HstapError
+
+
+def count_tokens(samples: Iterable[dict], vocab_size: int) -> torch.Tensor:
+    """Frequency of each target token over loss-masked positions (the tokens a drafter will have to propose)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sample in samples:
+        ids = sample["input_ids"][sample["loss_mask"]]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`size` tokens by count (ties → lower id), sorted by target id; returns (d2t, t2d)."""
+    vocab_size = counts.numel()
+    if not 0 < size <= vocab_size:
+        raise HstapError(f"draft_vocab_size={size}: expected 1..{vocab_size} (the target vocabulary)")
+    # stable sort on -count keeps ascending ids among equal counts: deterministic for any data
+    order = torch.sort(-counts, stable=True).indices[:size]
+    draft_to_target = torch.sort(order).values
+    d2t = draft_to_target - torch.arange(size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    return d2t.to(torch.int64), t2d
+
+
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Absolute target id of every draft id."""
+    return d2t + torch.arange(d2t.numel(), device=d2t.device)
+
+
+def target_to_draft_ids(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft id of every target id, -1 where the target token is outside the draft vocabulary."""
+    lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
+    lookup[draft_to_target_ids(d2t)] = torch.arange(d2t.numel(), device=d2t.device)
+    return lookup

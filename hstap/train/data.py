@@ -1,0 +1,136 @@
+"""Where training samples come from — a store on disk (offline) or the target in this process (online) — and the
+length-bucketed batch plan both share, so the same seed gives the same batches either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Protocol
+
+import torch
+
+from hstap.capture.tap import TeacherSpec
+from hstap.data import RenderedSample
+from hstap.errors import HstapError
+
+
+class SampleSource(Protocol):
+    """Samples in store format (see hstap.store): id, input_ids, loss_mask, hidden {layer: [S,H]}, teacher."""
+
+    ids: list[str]
+    lengths: list[int]
+
+    def fetch(self, indices: list[int]) -> list[dict]: ...
+
+    def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int = 32) -> dict[str, torch.Tensor]:
+    """A store captured with `--teacher hidden` keeps the final normed state; the trainer wants top-k log-probs."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(lm_head(hidden.to(lm_head.weight.dtype)).float(), dim=-1)
+        values, ids = logprobs.topk(k, dim=-1)
+    return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values.to(torch.float16)}
+
+
+class StoreSource:
+    """Offline: samples read lazily from a capture store."""
+
+    def __init__(self, store, lm_head: torch.nn.Module | None = None):
+        self.store = store
+        self.ids = store.ids()
+        self.lengths = [e.length for shard in store.manifest.shards for e in shard.samples]
+        self.lm_head = lm_head
+
+    def fetch(self, indices: list[int]) -> list[dict]:
+        samples = [self.store[i] for i in indices]
+        for s in samples:
+            if "hidden" in s["teacher"]:
+                if self.lm_head is None:
+                    raise HstapError("store has a `hidden` teacher: the target's lm_head is needed (pass --model)")
+                s["teacher"] = topk_teacher_from_hidden(s["teacher"]["hidden"], self.lm_head)
+        return samples
+
+    def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.store.read(index, keys={"input_ids", "loss_mask"})
+        return s["input_ids"], s["loss_mask"]
+
+
+class OnlineSource:
+    """Online: each fetch prefills the requested samples through the target with the tap on; nothing touches disk.
+
+    The tap, dtype and teacher are the ones `hstap capture` uses, so a sample fetched here equals the stored one up
+    to the batch it was prefilled in (padding changes fp32 summation order, then bf16 rounding)."""
+
+    def __init__(self, target, samples: list[RenderedSample], layer_ids: list[int], dtype: str = "bf16",
+                 teacher: TeacherSpec | None = None, device: str = "cpu"):
+        self.target = target
+        self.samples = samples
+        self.ids = [s.id for s in samples]
+        self.lengths = [len(s.input_ids) for s in samples]
+        self.layer_ids = layer_ids
+        self.dtype = dtype
+        self.teacher = teacher or TeacherSpec()
+        self.device = device
+
+    def fetch(self, indices: list[int]) -> list[dict]:
+        from hstap.capture.run import CaptureConfig, _prefill_with_tap
+
+        got: dict[str, dict] = {}
+        cfg = CaptureConfig(out="/unused", dtype=self.dtype, batch_tokens=10**9, device=self.device)
+        todo = [self.samples[i] for i in indices]
+        report = _prefill_with_tap(self.target, todo, self.layer_ids, self.teacher, cfg,
+                                   sink=lambda sid, t: got.__setitem__(sid, t), progress=False)
+        if report.errors or len(got) != len(todo):
+            raise HstapError(f"online capture failed: {report.summary()}")
+        return [_as_store_sample(sid, got[sid], self.layer_ids) for sid in (s.id for s in todo)]
+
+    def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.samples[index]
+        return torch.tensor(s.input_ids, dtype=torch.long), torch.tensor(s.loss_mask, dtype=torch.bool)
+
+
+def _as_store_sample(sample_id: str, tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> dict:
+    """Tap output (flat names) → the nested dict `Store.__getitem__` returns."""
+    return {
+        "id": sample_id,
+        "input_ids": tensors["input_ids"].long(),
+        "loss_mask": tensors["loss_mask"].bool(),
+        "hidden": {k: tensors[f"hidden.{k}"] for k in layer_ids},
+        "teacher": {name[8:]: t for name, t in tensors.items() if name.startswith("teacher.")},
+    }
+
+
+def split_heldout(ids: list[str], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train/held-out split by a hash of (seed, id): stable when the data grow or are reordered."""
+    heldout, train = [], []
+    for i, sample_id in enumerate(ids):
+        h = int(hashlib.sha256(f"{seed}:{sample_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (heldout if h < fraction else train).append(i)
+    return train, heldout
+
+
+def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int, seed: int, epoch: int,
+                 world_size: int = 1, bucket: int = 64) -> list[list[int]]:
+    """Length-bucketed batches: shuffle, sort inside windows of `bucket` samples by length, cut by padded tokens,
+    shuffle the batches. Equal batch counts per rank (the last few are dropped) so DDP ranks stay in step."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = indices[:]
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), bucket):
+        window = sorted(order[w:w + bucket], key=lambda i: lengths[i])
+        batch: list[int] = []
+        longest = 0
+        for i in window:
+            if batch and max(longest, lengths[i]) * (len(batch) + 1) > batch_tokens:
+                batches.append(batch)
+                batch, longest = [], 0
+            batch.append(i)
+            longest = max(longest, lengths[i])
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    usable = len(batches) - len(batches) % world_size
+    return batches[:usable]

@@ -1,0 +1,269 @@
+"""`hstap train`: the EAGLE-3 drafter, offline from a store or online with the target in this process.
+
+    hstap train --store runs/cap --out runs/drafter                    # offline
+    hstap train --online --model smollm2 --data sharegpt --limit 400 --out runs/drafter
+    torchrun --nproc_per_node 2 -m hstap.cli train --store runs/cap --out runs/drafter   # DDP
+
+The run directory holds config.json + model.safetensors (the drafter), train_config.json, metrics.jsonl,
+plots, and checkpoint/ (optimizer, scheduler, RNG, data position) for `--resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
+from hstap.errors import HstapError
+from hstap.metrics import tokens_per_second
+from hstap.train import checkpoint, distributed
+from hstap.train.data import OnlineSource, SampleSource, StoreSource, plan_batches, split_heldout
+from hstap.train.heldout import evaluate_heldout
+from hstap.train.ttt import TTTModel, batch_tensors, collate
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    store: Path | None = None
+    online: bool = False
+    model: str = "smollm2"
+    data: str = "sharegpt"
+    limit: int | None = Field(default=None, ge=1)
+    layers: str = "auto"
+    max_tokens: int = Field(default=1024, gt=0)
+    out: Path
+    epochs: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_ratio: float = Field(default=0.05, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=0.5, gt=0)
+    batch_tokens: int = Field(default=4096, gt=0)
+    ttt_steps: int = Field(default=7, ge=1)
+    decay: float = Field(default=0.8, gt=0, le=1)
+    draft_vocab: int | None = Field(default=None, ge=1)
+    heldout: float = Field(default=0.05, ge=0, lt=1)
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint_every: int = Field(default=200, ge=1)
+    max_steps: int | None = Field(default=None, ge=1)
+    resume: bool = False
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    train_tokens: int
+    seconds: float
+    heldout: dict  # last held-out evaluation
+    initial_heldout: dict  # the untrained drafter on the same split
+    drafter: Eagle3Drafter | None = None  # the trained model, in memory (each rank's copy under DDP)
+
+    def summary(self) -> str:
+        h, h0 = self.heldout, self.initial_heldout
+        tau = ", ".join(f"{d}:{v:.2f}" for d, v in h.get("tau_est", {}).items())
+        return (f"trained {self.steps} steps on {self.train_tokens} tokens "
+                f"({tokens_per_second(self.train_tokens, self.seconds):.0f} tok/s) → {self.out}\n"
+                f"held-out loss {h0.get('loss', float('nan')):.3f} → {h.get('loss', float('nan')):.3f}; "
+                f"step-0 top-1 {h0.get('acc', [0])[0]:.3f} → {h.get('acc', [0])[0]:.3f}; "
+                f"estimated τ by chain length {{{tau}}}")
+
+
+def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], dict]:
+    """The sample source, its canonical layer ids and the teacher spec, checked against the target."""
+    from hstap.capture.layers import parse_layers
+
+    if cfg.online:
+        from hstap.capture.run import CaptureConfig, render_all
+        from hstap.data import SkipReport
+
+        layer_ids = parse_layers(cfg.layers, target.num_layers)
+        capture_cfg = CaptureConfig(out="/unused", data=cfg.data, limit=cfg.limit, max_tokens=cfg.max_tokens)
+        samples = render_all(capture_cfg, target.tokenizer, SkipReport())
+        if not samples:
+            raise HstapError(f"--data {cfg.data}: no usable conversations")
+        return OnlineSource(target, samples, layer_ids, device=cfg.device), layer_ids, {"kind": "topk", "k": 32}
+    from hstap.store import open_store
+
+    store = open_store(cfg.store)
+    meta = store.manifest.meta
+    if len(store) == 0:
+        raise HstapError(f"store {cfg.store} is empty: run `hstap capture --out {cfg.store}` first")
+    if meta.model_fingerprint != target.fingerprint:
+        raise HstapError(f"store {cfg.store} was captured from {meta.model_id} (fingerprint "
+                         f"{meta.model_fingerprint}), --model {cfg.model} has fingerprint {target.fingerprint}")
+    if meta.hidden_size != target.hidden_size:
+        raise HstapError(f"store {cfg.store}: hidden_size={meta.hidden_size}, the target's is {target.hidden_size}")
+    if "kind" not in meta.teacher:
+        raise HstapError(f"store {cfg.store}: manifest meta.teacher has no 'kind': re-capture with --teacher")
+    _check_store_tensors(cfg.store, store.manifest, meta.layer_ids)
+    if cfg.limit is not None and cfg.limit < len(store):
+        raise HstapError(f"--limit {cfg.limit} is for --online; train on a store of that size instead")
+    return StoreSource(store, lm_head=target.model.get_output_embeddings()), list(meta.layer_ids), meta.teacher
+
+
+def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
+    names = set(manifest.tensors)
+    needed = {"input_ids", "loss_mask", *(f"hidden.{k}" for k in layer_ids)}
+    teacher = {"teacher.topk_ids", "teacher.topk_logprobs"} if manifest.meta.teacher.get("kind") == "topk" \
+        else {"teacher.hidden"}
+    missing = sorted((needed | teacher) - names)
+    if missing:
+        raise HstapError(f"store {path}: missing tensor(s) {missing} (has {sorted(names)}); re-capture it")
+
+
+def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str) -> None:
+    """A resumed run must read the same layers of the same target as the drafter it continues."""
+    prior = DrafterConfig.load(out / "config.json")
+    for field, mine, now in [("aux_layer_ids", prior.aux_layer_ids, layer_ids),
+                             ("target_hidden_size", prior.target_hidden_size, hidden_size),
+                             ("target_fingerprint", prior.target_fingerprint, fingerprint)]:
+        if mine != now:
+            raise HstapError(f"--resume: drafter in {out} has {field}={mine}, the training data give {now}")
+
+
+def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
+                   layer_ids: list[int]) -> Eagle3Drafter:
+    vocab = target.model.config.vocab_size
+    size = cfg.draft_vocab or min(32000, vocab)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for i in tqdm(train_idx, desc="draft vocab", unit="sample", leave=False, disable=len(train_idx) < 2000):
+        ids, mask = source.token_masks(i)
+        counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
+    d2t, t2d = build_draft_vocab(counts, size)
+    dcfg = DrafterConfig.from_target(target.model.config, layer_ids, size, target.model_id, target.fingerprint)
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.init_from_target(target.model, d2t, t2d)
+    return drafter
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warmup, then cosine to zero."""
+    warmup = max(1, int(total_steps * warmup_ratio))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    """Train a drafter; see the module docstring. Rank 0 writes the run directory."""
+    from hstap.models import load_target
+
+    dist = distributed.setup(cfg.device)
+    device = dist.device
+    if cfg.online and cfg.store is not None:
+        raise HstapError("pass either --store DIR (offline) or --online, not both")
+    if not cfg.online and cfg.store is None:
+        raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
+    target = load_target(cfg.model, device="cpu" if not cfg.online else cfg.device)
+    source, layer_ids, teacher = _open_source(cfg, target)
+    if teacher.get("kind") == "topk" and teacher.get("k", 0) < 1:
+        raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
+    if cfg.resume:
+        _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint)
+    train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
+    if not train_idx:
+        raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")
+
+    drafter = _build_drafter(cfg, target, source, train_idx, layer_ids).to(device)
+    t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = len(plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, 0, dist.world_size)) \
+        // dist.world_size
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, cfg.warmup_ratio))
+    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
+
+    out = Path(cfg.out)
+    state = checkpoint.State()
+    if cfg.resume:
+        state = checkpoint.load(out, drafter, optimizer, scheduler)
+    elif dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        drafter.config.save(out / "config.json")
+        (out / "metrics.jsonl").write_text("")
+    log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0)
+
+    def heldout_eval() -> dict:
+        return evaluate_heldout(drafter, source, held_idx, layer_ids, t2d_ids, cfg, device)
+
+    initial = state.initial_heldout or (heldout_eval() if dist.rank == 0 else {})
+    if not state.initial_heldout and dist.rank == 0:
+        log.write({"kind": "eval", "epoch": 0, "step": 0, **initial})
+    state.initial_heldout = initial
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
+    bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
+    start, tokens_this_run = time.perf_counter(), 0
+    last_eval = initial
+    while state.step < total_steps and state.epoch < cfg.epochs:
+        plan = plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, state.epoch, dist.world_size)
+        mine = plan[dist.rank::dist.world_size]
+        while state.batch_in_epoch < len(mine) and state.step < total_steps:
+            batch = collate(source.fetch(mine[state.batch_in_epoch]), layer_ids).to(device)
+            with autocast:
+                loss, stats, _, _ = model(*batch_tensors(batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            state.batch_in_epoch += 1
+            state.train_tokens += batch.num_tokens * dist.world_size
+            tokens_this_run += batch.num_tokens * dist.world_size
+            rate = tokens_per_second(tokens_this_run, time.perf_counter() - start)
+            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
+                       "step_losses": stats[0].tolist(), "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": grad_norm, "tokens_per_s": rate})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{rate:.0f}")
+            bar.update(1)
+            if state.step % cfg.checkpoint_every == 0:
+                checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
+        if state.batch_in_epoch >= len(mine):
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            if dist.rank == 0:
+                last_eval = heldout_eval()
+                log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **last_eval})
+    bar.close()
+    if dist.rank == 0 and last_eval is initial:
+        last_eval = heldout_eval()
+        log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **last_eval})
+    checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
+    if dist.rank == 0:
+        drafter.save_pretrained(out)
+        from hstap.train.plots import plot_metrics
+
+        plot_metrics(out / "metrics.jsonl", out)
+    dist.barrier()
+    return TrainResult(out, state.step, state.train_tokens, time.perf_counter() - start, last_eval, initial, drafter)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def load_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

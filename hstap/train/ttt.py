@@ -1,0 +1,208 @@
+"""Training-time test (TTT): unroll the drafter over K draft steps exactly as it will run at inference.
+
+Step 0 at position t reads the target's hidden state h_t and the embedding of token t+1 and predicts token t+2.
+Step k reads its own step-(k-1) output at t and token t+1+k, sits at rotary position t+k, and attends to the
+step-0 keys of positions ≤ t plus its own chain's keys of steps 1..k at t — what a chain draft from t sees at
+inference. Its teacher is the target's distribution at t+1+k (over token t+2+k), counted only where token t+2+k
+is an assistant token and the target's argmax is in the draft vocabulary. Step k's loss is weighted decay**k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hstap.drafter.model import Eagle3Drafter
+
+
+@dataclass
+class TTTBatch:
+    """A padded batch (right padding). Teacher = target top-k log-probs at every position."""
+
+    aux: torch.Tensor  # (B, S, n_aux*H) concatenated captured layers, in config.aux_layer_ids order
+    input_ids: torch.Tensor  # (B, S) long
+    loss_mask: torch.Tensor  # (B, S) bool — assistant tokens
+    valid: torch.Tensor  # (B, S) bool — not padding
+    topk_ids: torch.Tensor  # (B, S, K) long, target ids
+    topk_logprobs: torch.Tensor  # (B, S, K) float
+
+    def to(self, device: torch.device | str) -> "TTTBatch":
+        return TTTBatch(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid.sum())
+
+
+def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
+    """Store-format samples (see hstap.store) → one right-padded TTTBatch."""
+    longest = max(s["input_ids"].numel() for s in samples)
+    b = len(samples)
+    first = samples[0]
+    hid = first["hidden"][layer_ids[0]].shape[-1]
+    k = first["teacher"]["topk_ids"].shape[-1]
+    aux = torch.zeros(b, longest, len(layer_ids) * hid, dtype=first["hidden"][layer_ids[0]].dtype)
+    ids = torch.zeros(b, longest, dtype=torch.long)
+    mask = torch.zeros(b, longest, dtype=torch.bool)
+    valid = torch.zeros(b, longest, dtype=torch.bool)
+    topk_ids = torch.zeros(b, longest, k, dtype=torch.long)
+    topk_lp = torch.full((b, longest, k), -float("inf"))
+    for row, s in enumerate(samples):
+        n = s["input_ids"].numel()
+        aux[row, :n] = torch.cat([s["hidden"][layer] for layer in layer_ids], dim=-1)
+        ids[row, :n] = s["input_ids"]
+        mask[row, :n] = s["loss_mask"]
+        valid[row, :n] = True
+        topk_ids[row, :n] = s["teacher"]["topk_ids"].long()
+        topk_lp[row, :n] = s["teacher"]["topk_logprobs"].float()
+    return TTTBatch(aux, ids, mask, valid, topk_ids, topk_lp)
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x[:, t] ← x[:, t+n], the tail filled with `fill`: (B, S, ...) → (B, S, ...)."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+class TTTAttention:
+    """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.rep = num_heads // num_kv_heads
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k.repeat_interleave(self.rep, dim=1))  # (B, nh, S, hd)
+        self.values.append(v.repeat_interleave(self.rep, dim=1))
+        s = q.shape[2]
+        scale = q.shape[-1] ** -0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        prefix = (q @ self.keys[0].transpose(-1, -2)) * scale  # (B, nh, S, S)
+        prefix = prefix.masked_fill(~causal, float("-inf"))
+        diag = [(q * key).sum(-1, keepdim=True) * scale for key in self.keys[1:]]  # each (B, nh, S, 1)
+        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :s] @ self.values[0]  # (B, nh, S, hd)
+        for i, value in enumerate(self.values[1:]):
+            out = out + weights[..., s + i: s + i + 1] * value
+        return out
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_draft_ids: torch.Tensor, target_probs: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE drafter loss: −Σ p·log q against a sparse teacher, averaged over positions with weight 1.
+
+    logits (B, S, Vd); target_draft_ids (B, S, K) draft ids (−1 = outside the draft vocab, ignored);
+    target_probs (B, S, K) teacher probabilities renormalised over the draft vocab; weight (B, S) bool.
+    Returns (mean loss, number of counted positions).
+    """
+    logq = torch.log_softmax(logits.float(), dim=-1)  # (B, S, Vd)
+    picked = logq.gather(-1, target_draft_ids.clamp_min(0))  # (B, S, K)
+    per_pos = -(target_probs * picked).sum(-1)  # (B, S)
+    count = weight.sum()
+    loss = (per_pos * weight).sum() / count.clamp_min(1)
+    return loss, count
+
+
+def teacher_in_draft_vocab(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                           t2d_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Map the teacher's top-k to draft ids and renormalise over those in the draft vocab.
+
+    Returns (draft ids (B,S,K) with −1 outside, probs (B,S,K), argmax_in_vocab (B,S) bool)."""
+    draft_ids = t2d_ids[topk_ids]  # (B, S, K)
+    inside = draft_ids >= 0
+    probs = torch.where(inside, topk_logprobs.float().exp(), torch.zeros((), device=topk_ids.device))
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return draft_ids, probs, inside[..., 0]
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # weighted sum over steps (scalar, with grad)
+    step_losses: list[float]
+    step_correct: list[int]  # top-1 agreements with the target's argmax per step
+    step_counted: list[int]  # positions counted per step
+    run_lengths: torch.Tensor  # (B, S) consecutive correct steps from step 0 (teacher-forced chain)
+    run_valid: torch.Tensor  # (B, S) how many consecutive steps from 0 were countable
+
+
+def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int = 7,
+                decay: float = 0.8) -> TTTOutput:
+    """Unroll `steps` draft steps over the whole batch; see the module docstring for the alignment."""
+    cfg = drafter.config
+    attend = TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads)
+    b, s = batch.input_ids.shape
+    positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
+    hidden = drafter.project(batch.aux)  # (B, S, H)
+    total = torch.zeros((), device=hidden.device)
+    losses, correct, counted, hits, countable = [], [], [], [], []
+    for k in range(steps):
+        tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
+        hidden, logits = drafter.step(tokens, hidden, positions + k, attend)  # logits (B, S, Vd)
+        teacher_ids = shift_left(batch.topk_ids, 1 + k, 0)  # target distribution at t+1+k
+        teacher_lp = shift_left(batch.topk_logprobs, 1 + k, float("-inf"))
+        draft_ids, probs, argmax_inside = teacher_in_draft_vocab(teacher_ids, teacher_lp, t2d_ids)
+        predicted_is_answer = shift_left(batch.loss_mask & batch.valid, 2 + k, False)  # token t+2+k
+        weight = predicted_is_answer & argmax_inside & batch.valid
+        loss, count = soft_cross_entropy(logits, draft_ids, probs, weight)
+        total = total + (decay ** k) * loss
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == draft_ids[..., 0]) & weight
+        losses.append(float(loss.detach()))
+        correct.append(int(hit.sum()))
+        counted.append(int(count))
+        hits.append(hit)
+        countable.append(weight)
+    run_len, run_ok = _chain_runs(hits, countable)
+    return TTTOutput(total, losses, correct, counted, run_len, run_ok)
+
+
+def _chain_runs(hits: list[torch.Tensor], countable: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: steps accepted in a row from step 0, and steps countable in a row from step 0."""
+    alive_hit = torch.ones_like(hits[0])
+    alive_ok = torch.ones_like(countable[0])
+    run_len = torch.zeros(hits[0].shape, dtype=torch.long, device=hits[0].device)
+    run_ok = torch.zeros_like(run_len)
+    for hit, ok in zip(hits, countable):
+        alive_ok = alive_ok & ok
+        alive_hit = alive_hit & hit & alive_ok
+        run_len += alive_hit
+        run_ok += alive_ok
+    return run_len, run_ok
+
+
+def estimated_tau(run_lengths: torch.Tensor, run_valid: torch.Tensor, draft_tokens: int) -> tuple[float, int]:
+    """Estimated acceptance length of a greedy chain of `draft_tokens` drafts, from teacher-forced agreement.
+
+    Over positions where all `draft_tokens` steps are countable: τ ≈ 1 + mean(min(run, draft_tokens)) (the bonus
+    token included). Exact for greedy verification when the data are the target's own greedy answers.
+    Returns (τ estimate, positions used)."""
+    usable = run_valid >= draft_tokens
+    n = int(usable.sum())
+    if n == 0:
+        return float("nan"), 0
+    accepted = run_lengths.clamp(max=draft_tokens)[usable].float()
+    return 1.0 + float(accepted.mean()), n
+
+
+class TTTModel(nn.Module):
+    """`ttt_forward` as a module, so DistributedDataParallel sees one forward per step; returns tensors only."""
+
+    def __init__(self, drafter: Eagle3Drafter, t2d_ids: torch.Tensor, steps: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("t2d_ids", t2d_ids, persistent=False)
+        self.steps, self.decay = steps, decay
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay)
+        stats = torch.tensor([out.step_losses, out.step_correct, out.step_counted], dtype=torch.float64)
+        return out.loss, stats, out.run_lengths, out.run_valid
+
+
+def batch_tensors(batch: TTTBatch) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(batch, f) for f in batch.__dataclass_fields__)
