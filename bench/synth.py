@@ -1,0 +1,124 @@
+"""Decode throughput of the embedded synth backend against plain `model.generate`, same batches, one run.
+
+    .venv/bin/python bench/synth.py [--device cpu|cuda] [--batch 8] [--prompts 16] [--new 32] [--reps 2]
+    python bench/synth.py --device cuda --batch 256 --prompts 1024 --new 256        # the H200 figure
+
+Prompts are real ShareGPT first turns rendered as synth renders them (capped at --max-prompt tokens), split into
+batches of --batch. Every row generates exactly --new tokens (stops ignored; `min_new_tokens` for generate), so
+each side does the same work. tokens/s = generated tokens / wall seconds, prefill included, median of --reps
+after one untimed warm-up pass (which also captures the CUDA graphs). Compared, in alternation:
+`generate` (greedy, DynamicCache), hstap `eager` (our loop, DynamicCache) and hstap `static` (preallocated cache;
+with CUDA graphs on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from hstap.data import open_source, render_prompt
+from hstap.metrics import tokens_per_second
+from hstap.models import load_target
+from hstap.synth.embedded import EagerStepper, Request, decode, left_pad
+from hstap.synth.static import StaticStepper
+
+
+def _hardware(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} torch threads"
+
+
+def _prompts(tokenizer, n: int, cap: int) -> list[list[int]]:
+    out = []
+    for conv in open_source("sharegpt"):
+        if len(out) == n:
+            break
+        out.append(render_prompt(conv.messages[:1], tokenizer)[-cap:])  # keep the assistant header at the end
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new", type=int, default=32, help="tokens generated per row")
+    ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept per row")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--compile", action="store_true", help="also time the static path with a torch.compile'd step")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_target("smollm2", device=args.device)
+    model, tok = target.model, target.tokenizer
+    pad = tok.pad_token_id
+    prompts = _prompts(tok, args.prompts, args.max_prompt)
+    batches = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    tokens = len(prompts) * args.new
+    on_cuda = args.device.startswith("cuda")
+    static = StaticStepper(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256, pad_id=pad,
+                           cuda_graphs=on_cuda)
+    eager = EagerStepper(model)
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def run_generate() -> None:
+        for batch in batches:
+            ids, mask = left_pad(batch, pad, args.device)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                           do_sample=False, pad_token_id=pad)
+
+    def run_hstap(stepper) -> None:
+        for batch in batches:
+            decode(stepper, [Request(p, args.new) for p in batch], pad, [], args.device,
+                   sync_every=8 if on_cuda else 1)
+
+    methods = {"generate": run_generate, "hstap eager": lambda: run_hstap(eager),
+               "hstap static" + (" + CUDA graphs" if on_cuda else ""): lambda: run_hstap(static)}
+    if args.compile:
+        compiled = StaticStepper(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256, pad_id=pad,
+                                 cuda_graphs=on_cuda, compile_step=True)
+        methods["hstap static + compile" + (" + graphs" if on_cuda else "")] = lambda: run_hstap(compiled)
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    with torch.inference_mode():
+        for name, fn in methods.items():  # warm-up: lazy inits, cuBLAS handles, compilation, graph capture
+            t0 = time.perf_counter()
+            fn()
+            print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        for _ in range(args.reps):
+            for name, fn in methods.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+
+    rate = {k: tokens_per_second(tokens, statistics.median(v)) for k, v in times.items()}
+    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"command: {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
+    print(f"hardware: {_hardware(args.device)}; torch {torch.__version__}, dtype {next(model.parameters()).dtype}")
+    print(f"{len(prompts)} ShareGPT prompts (mean {statistics.mean(map(len, prompts)):.0f} tokens), batch "
+          f"{args.batch}, {args.new} new tokens per row, {tokens} tokens per pass, median of {args.reps}")
+    for name, r in rate.items():
+        print(f"{name:>36}: {r:9.1f} tok/s  ({r / rate['generate']:.2f}x generate)")
+
+
+if __name__ == "__main__":
+    main()

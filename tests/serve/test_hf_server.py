@@ -1,0 +1,89 @@
+"""The OpenAI-compatible `hf` server, in process over httpx's ASGI transport, on the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from hstap.data import render_prompt
+from hstap.serve.hf_server import create_app
+from hstap.synth.embedded import Engine, Request
+
+NAME = "smollm2-test"
+
+
+class _Client:
+    """Synchronous calls into the app, each in its own event loop (the app's engine thread outlives them)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t") as c:
+                return await c.request(method, path, **kw)
+        return asyncio.run(go())
+
+    def get(self, path: str) -> httpx.Response:
+        return self._call("GET", path)
+
+    def post(self, path: str, json: dict) -> httpx.Response:
+        return self._call("POST", path, json=json)
+
+
+@pytest.fixture(scope="module")
+def client(target):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared 2-core test machine: one intra-op thread runs far faster under load
+    app = create_app(target, NAME, max_batch=4)
+    yield _Client(app)
+    app.state.engine.close()
+    torch.set_num_threads(before)
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME] and models["object"] == "list"
+
+
+def test_chat_completion_is_the_greedy_answer(client, target):
+    messages = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 16,
+                                                      "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["model"] == NAME and body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "stop"
+    engine = Engine(target, max_batch=1)
+    try:
+        prompt = render_prompt(messages, target.tokenizer)
+        gen = engine.generate([Request(prompt, 16)])[0]
+    finally:
+        engine.close()
+    assert choice["message"]["content"] == target.tokenizer.decode(gen.tokens)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": gen.completion_tokens,
+                             "total_tokens": len(prompt) + gen.completion_tokens}
+
+
+def test_length_limit_and_sampling(client):
+    messages = [{"role": "user", "content": "Tell me a long story about dragons."}]
+    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0.8,
+                                                      "top_p": 0.9, "seed": 5})
+    body = resp.json()
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+
+
+def test_bad_requests_are_openai_errors(client):
+    resp = client.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 404 and "smollm2-test" in resp.json()["error"]["message"]
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "x"}]})
+    assert resp.status_code == 400 and "first_not_user" in resp.json()["error"]["message"]
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                      "max_tokens": 10**6})
+    assert resp.status_code == 400 and "max_new_tokens" in resp.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422

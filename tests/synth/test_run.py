@@ -1,0 +1,148 @@
+"""`run_synth` with the embedded SmolLM2 on real prompts: records, re-rendering, resume, filters, multi-turn, and
+`hstap capture` consuming the output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hstap.cli import main
+from hstap.data import Conversation, iter_jsonl, open_source, render, render_prompt
+from hstap.store import open_store
+from hstap.synth import SynthConfig, run_synth
+from hstap.synth.backend import Completion, RequestFailed
+from hstap.synth.embedded import Engine, Request
+from hstap.synth.run import answer
+from tests.synth.conftest import read_records, write_jsonl
+
+NEW = 12
+
+
+def _cfg(out, **kw) -> SynthConfig:
+    return SynthConfig(**{"model": "smollm2", "data": "sharegpt", "out": out, "max_new_tokens": NEW,
+                          "batch_size": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def sharegpt_out(tmp_path_factory, target):
+    out = tmp_path_factory.mktemp("synth") / "sharegpt.jsonl"
+    result = run_synth(_cfg(out, limit=3), progress=False, target=target)
+    assert result.written == 3 and result.failed == 0, result.summary()
+    return out
+
+
+def test_records_are_the_targets_answers_in_chat_format(sharegpt_out, target):
+    records = read_records(sharegpt_out)
+    sources = {c.id: c for c in open_source("sharegpt", limit=3)}
+    assert {r["id"] for r in records} == set(sources)
+    engine = Engine(target, max_batch=1)
+    try:
+        for r in records:
+            conv = sources[r["id"]]
+            assert r["source_id"] == r["id"] and r["source"] == "sharegpt"
+            assert r["model"] == target.model_id
+            assert r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": NEW, "seed": 0}
+            assert r["messages"][0] == conv.messages[0] and r["messages"][1]["role"] == "assistant"
+            assert len(r["messages"]) == 2, "--turns first answers the first user turn only"
+            assert r["messages"][1]["content"] != conv.messages[1]["content"], "the dataset's answer is replaced"
+            gen = engine.generate([Request(render_prompt(conv.messages[:1], target.tokenizer), NEW)])[0]
+            assert (r["finish_reason"], r["completion_tokens"]) == (gen.finish_reason, gen.completion_tokens)
+            assert r["prompt_tokens"] == gen.prompt_tokens
+            # what capture will train on: the rendered answer is the target's very tokens (+ end of turn)
+            sample = render(Conversation(r["id"], r["messages"], "x"), target.tokenizer)
+            masked = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+            assert masked == gen.tokens + [target.tokenizer.eos_token_id]
+    finally:
+        engine.close()
+
+
+def test_rerun_appends_only_the_missing_ids(sharegpt_out, target, tmp_path):
+    copy = tmp_path / "o.jsonl"
+    copy.write_bytes(sharegpt_out.read_bytes())
+    result = run_synth(_cfg(copy, limit=4), progress=False, target=target)
+    assert result.resumed == 3 and result.written == 1
+    ids = [r["id"] for r in read_records(copy)]
+    assert len(ids) == len(set(ids)) == 4
+    assert ids[:3] == [r["id"] for r in read_records(sharegpt_out)]
+
+
+def test_duplicates_and_truncated_answers_are_dropped_and_counted(tmp_path, target):
+    ask = "Is the sky blue? Answer yes or no."
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": ask}]},
+        {"id": "b", "messages": [{"role": "user", "content": ask}]},
+        {"id": "c", "messages": [{"role": "user", "content": "Tell me a long story about dragons."}]},
+    ])
+    result = run_synth(_cfg(tmp_path / "o.jsonl", data=f"jsonl:{data}", max_new_tokens=6, drop_truncated=True),
+                       progress=False, target=target)
+    assert [r["id"] for r in read_records(tmp_path / "o.jsonl")] == ["a"]
+    assert result.report.counts == {"duplicate_prompt": 1, "truncated_answer": 1}
+    assert "duplicate_prompt=1" in result.summary() and "truncated_answer=1" in result.summary()
+
+
+def test_multi_turn_feeds_back_the_targets_own_answers(tmp_path, target):
+    u1, u2 = "Name a fruit that is red.", "What color is it inside?"
+    data = write_jsonl(tmp_path / "mt.jsonl", [{"id": "m", "messages": [
+        {"role": "system", "content": "You are brief."}, {"role": "user", "content": u1},
+        {"role": "assistant", "content": "ORIGINAL ANSWER"}, {"role": "user", "content": u2},
+        {"role": "assistant", "content": "ORIGINAL ANSWER 2"}]}])
+    run_synth(_cfg(tmp_path / "o.jsonl", data=f"jsonl:{data}", turns="all"), progress=False, target=target)
+    (rec,) = read_records(tmp_path / "o.jsonl")
+    msgs = rec["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert len(rec["turns"]) == 2 and rec["completion_tokens"] == sum(t["completion_tokens"] for t in rec["turns"])
+    engine = Engine(target, max_batch=1)
+    try:
+        def greedy(messages):
+            gen = engine.generate([Request(render_prompt(messages, target.tokenizer), NEW)])[0]
+            return target.tokenizer.decode(gen.tokens)
+
+        assert msgs[2]["content"] == greedy(msgs[:2])
+        assert msgs[4]["content"] == greedy(msgs[:4]), "turn 2 was answered after the target's own turn 1"
+    finally:
+        engine.close()
+
+
+class _Stub:
+    model_id = "stub"
+
+    def __init__(self, answers):
+        self.answers, self.asked = list(answers), []
+
+    async def complete(self, messages, sampling):
+        self.asked.append([dict(m) for m in messages])
+        item = self.answers.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return Completion(content=item, finish_reason="stop", prompt_tokens=3, completion_tokens=2)
+
+
+def test_answer_drops_empty_answers_and_names_the_failed_turn(tmp_path):
+    conv = Conversation("x", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}], "test")
+    cfg = SynthConfig(model="m", out=tmp_path / "o.jsonl", turns="all")
+    assert asyncio.run(answer(conv, _Stub(["  \n"]), cfg)) == (None, "empty_answer")
+    with pytest.raises(RequestFailed, match="turn 1: boom"):
+        asyncio.run(answer(conv, _Stub(["fine", RequestFailed("boom")]), cfg))
+    stub = _Stub(["one", "two"])
+    record, _ = asyncio.run(answer(conv, stub, cfg))
+    assert stub.asked[1] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
+                             {"role": "user", "content": "c"}]
+    assert record["messages"][-1] == {"role": "assistant", "content": "two"}
+
+
+def test_capture_consumes_the_output(sharegpt_out, tmp_path):
+    store = tmp_path / "store"
+    code = main(["capture", "--data", f"jsonl:{sharegpt_out}", "--limit", "3", "--out", str(store),
+                 "--max-tokens", "256"])
+    assert code == 0
+    assert open_store(store).ids() == [c.id for c in iter_jsonl(sharegpt_out)]
+
+
+def test_cli_plan_and_missing_backend(tmp_path, capsys):
+    assert main(["synth", "--model", "smollm2", "--out", str(tmp_path / "o.jsonl"), "--limit", "2", "--plan"]) == 0
+    assert '"limit": 2' in capsys.readouterr().out and not (tmp_path / "o.jsonl").exists()
+    assert main(["synth", "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model" in err and "--server" in err
