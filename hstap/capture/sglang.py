@@ -1,0 +1,223 @@
+"""SGLang adapter: a hook factory that SGLang's own `--forward-hooks` loads; no SGLang source is touched.
+
+    hstap sglang-flags --model /ckpt --layers auto --out runs/sg      # prints the flags below, ready to paste
+    python -m sglang.launch_server --model-path /ckpt \\
+        --forward-hooks '[{"name": "hstap-layer-1", "target_modules": ["model.layers.1"],
+                           "hook_factory": "hstap.capture.sglang:make_hook", "config": {...}}, ...]' \\
+        --disable-radix-cache --cuda-graph-backend-prefill disabled
+    hstap capture-remote --url http://127.0.0.1:30000 --api sglang --data jsonl:synth.jsonl --capture-dir runs/sg
+
+SGLang (0.5.23, `model_executor/hook_manager.py`) calls `make_hook(config)` once per spec in every TP worker and
+registers the returned hook with `module.register_forward_hook` on the modules the spec's fnmatch patterns name,
+after CUDA-graph capture: hooks run on the eager path only. Sites, per canonical layer k:
+
+- `model.layers.<k>` — reads the ForwardBatch from `args[2]`; on the lowest captured layer it decides whether this
+  forward is captured at all (pure `ForwardMode.EXTEND`, host-side lengths present, not only health probes) and
+  announces the packed layout. Decoder layers that return `(hidden_states, residual)` with the residual add deferred
+  to the next layer's norm (gemma2, olmo2, … in 0.5.23, and Llama before the layer-boundary rewrite) give
+  `output[0] + output[1]`, added into a new tensor: the next fused add-RMSNorm overwrites both in place.
+- `model.layers.<k+1>.input_layernorm` (`model.norm` for the last layer) — Llama, Qwen, DeepSeek, … in 0.5.23
+  return one tensor, or an opaque owed handle whose tensor-parallel all-reduce is still pending, and keep the
+  residual in `forward_batch.residual_stream`; the first place the completed residual exists without a collective
+  is the next norm, called as `norm(hidden, residual)` → `(normed, hidden + residual)`. Its `output[1]`, cloned, is
+  layer k's residual stream. (FlashInfer/aiter all-reduce fusion bypasses that module: `hstap serve` refuses it; a
+  forward whose tensor never came is counted, never stored.)
+- `model.norm` — `output[0]` is the final normed hidden state: the teacher (`teacher.hidden`; the trainer applies the
+  target's lm_head). SGLang's logits processor only computes logits for sampled positions, so top-k teachers cannot
+  come from the engine.
+
+Only the writer rank holds a session: attention-TP rank 0 (= TP rank 0 without DP attention); with DP attention
+each DP group's rank 0 writes its own store under `DIR/dp<R>`. Other ranks get a no-op hook. No hook syncs, runs a
+collective or raises: errors are counted into `DIR/engine-report.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, session_for
+
+FACTORY = "hstap.capture.sglang:make_hook"
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py: /health_generate's rid is HEALTH_CHECK_<hex>
+# What capture needs from SGLang 0.5.23: radix-cache hits skip the cached prefix's tokens (samples with holes);
+# prefill CUDA graphs replay without running Python hooks. (0.5.23 has no --disable-piecewise-cuda-graph.)
+CAPTURE_FLAGS = ["--disable-radix-cache", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def hook_specs(cfg: EngineCaptureConfig) -> list[dict[str, Any]]:
+    """The `--forward-hooks` JSON list: one spec per site, each carrying the whole capture config."""
+    base = json.loads(cfg.model_dump_json())
+    specs = []
+    last = cfg.num_layers - 1
+    for k in cfg.layers:
+        specs.append(_spec(f"layer-{k}", f"model.layers.{k}", {**base, "site": f"layer:{k}"}))
+        if k < last:
+            specs.append(_spec(f"residual-{k}", f"model.layers.{k + 1}.input_layernorm", {**base, "site": f"norm:{k}"}))
+    specs.append(_spec("final-norm", "model.norm", {**base, "site": "final"}))
+    return specs
+
+
+def _spec(name: str, module: str, config: dict) -> dict[str, Any]:
+    return {"name": f"hstap-{name}", "target_modules": [module], "hook_factory": FACTORY, "config": config}
+
+
+def sglang_flags(cfg: EngineCaptureConfig) -> list[str]:
+    """The argv SGLang's launcher needs for this capture (without `--model-path`)."""
+    return ["--forward-hooks", json.dumps(hook_specs(cfg), separators=(",", ":")), *CAPTURE_FLAGS]
+
+
+def format_flags(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def writer_rank() -> tuple[bool, int | None]:
+    """(this process writes, its attention-DP group or None), from SGLang's parallel context; (True, None) alone.
+
+    0.5.23 keeps ranks in `sglang.srt.runtime_context.get_parallel()`: `attn_tp_rank` (= the TP rank without DP
+    attention), `attn_dp_size`, `attn_dp_rank`.
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        attn_tp_rank = int(parallel.attn_tp_rank)
+    except Exception:  # noqa: BLE001 — no parallel context (one process, tests): fall back to torch.distributed
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank() == 0, None
+        return True, None
+    try:
+        dp_size = int(parallel.attn_dp_size)
+    except Exception:  # noqa: BLE001 — not published: no DP attention
+        dp_size = 1
+    return attn_tp_rank == 0, (int(parallel.attn_dp_rank) if dp_size > 1 else None)
+
+
+def make_hook(config: dict) -> Callable:
+    """SGLang's hook factory: `config` is one spec's `config` as `hstap sglang-flags` printed it."""
+    site = str(config.get("site", ""))
+    cfg = EngineCaptureConfig.model_validate({k: v for k, v in config.items() if k != "site"})
+    writes, dp_group = writer_rank()
+    if not writes:
+        return _noop
+    out = Path(cfg.out) / f"dp{dp_group}" if dp_group is not None else None
+    state = _state_for(session_for(cfg, out), cfg)
+    kind, _, arg = site.partition(":")
+    if kind == "layer":
+        return state.layer_hook(int(arg))
+    if kind == "norm":
+        return state.norm_hook(int(arg))
+    if kind == "final":
+        return state.final_hook()
+    raise ValueError(f"hstap hook config has site={site!r}: expected layer:K, norm:K or final "
+                     "(regenerate the flags with `hstap sglang-flags`)")
+
+
+def _noop(module, args, output) -> None:
+    return None
+
+
+def _state_for(session: EngineSession, cfg: EngineCaptureConfig) -> "_ForwardState":
+    if not isinstance(session.adapter_state, _ForwardState):
+        session.adapter_state = _ForwardState(session, cfg)
+    return session.adapter_state
+
+
+def _is_pair(output) -> bool:
+    return isinstance(output, (tuple, list)) and len(output) >= 2 and all(
+        isinstance(t, torch.Tensor) for t in output[:2])
+
+
+def _forward_batch(args: tuple):
+    if len(args) > 2 and hasattr(args[2], "forward_mode"):
+        return args[2]
+    return next((a for a in args if hasattr(a, "forward_mode")), None)
+
+
+class _ForwardState:
+    """Per-process hook state shared by every site of one session: what the current forward is doing."""
+
+    def __init__(self, session: EngineSession, cfg: EngineCaptureConfig) -> None:
+        self.session = session
+        self.first = min(cfg.layers)
+        self.last_layer = cfg.num_layers - 1
+        self.capture_last = self.last_layer in cfg.layers
+        self.pairs = False  # this forward's layers return (hidden, residual): the layer sites record
+
+    def layer_hook(self, k: int) -> Callable:
+        def hook(module, args, output) -> None:
+            try:
+                if k == self.first:
+                    self._start(_forward_batch(args))
+                if self.session.active() and _is_pair(output):
+                    self.pairs = True
+                    self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: inputs get overwritten
+            except Exception as exc:  # noqa: BLE001 — never raise into the engine
+                self.session.error(exc)
+            return None
+        return hook
+
+    def norm_hook(self, k: int) -> Callable:
+        def hook(module, args, output) -> None:
+            try:
+                if self.session.active() and not self.pairs:
+                    self.session.record(f"hidden.{k}", _updated_residual(args, output).clone())
+            except Exception as exc:  # noqa: BLE001
+                self.session.error(exc)
+            return None
+        return hook
+
+    def final_hook(self) -> Callable:
+        def hook(module, args, output) -> None:
+            try:
+                if not self.session.active():
+                    return None
+                if self.capture_last and not self.pairs:
+                    self.session.record(f"hidden.{self.last_layer}", _updated_residual(args, output).clone())
+                normed = output[0] if isinstance(output, (tuple, list)) else output
+                self.session.record("teacher", normed.clone())
+            except Exception as exc:  # noqa: BLE001
+                self.session.error(exc)
+            return None
+        return hook
+
+    def _start(self, fb) -> None:
+        """Decide on the lowest captured layer whether this forward is captured, and announce its layout."""
+        self.pairs = False
+        session = self.session
+        if session.active():
+            session.tap.end()  # the previous forward died before its last site: counted by the Tap
+        mode = getattr(getattr(fb, "forward_mode", None), "name", None)
+        if mode != "EXTEND":  # DECODE, IDLE, MIXED (prefill + decode rows), TARGET_VERIFY, …: not a whole prefill
+            session.skip((mode or "no_forward_batch").lower())
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        lens, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        if lens is None or prefix is None:  # device-only lengths: reading them would sync
+            session.skip("no_host_lengths")
+            return
+        rids = getattr(fb, "rids", None) or [None] * len(lens)
+        spans, offset = [], 0
+        for n, p, rid in zip(lens, prefix, rids):
+            if isinstance(rid, str) and rid.startswith(HEALTH_CHECK_PREFIX):
+                session.skip("health_check")
+            elif n > 0:
+                spans.append(Span(start=offset, length=int(n), prefix=int(p), rid=rid))
+            offset += int(n)
+        if not spans:
+            return
+        session.begin(spans, total=offset)
+        session.record("input_ids", fb.input_ids)
+
+
+def _updated_residual(args: tuple, output) -> torch.Tensor:
+    """The residual stream a `norm(hidden, residual)` call produced: its second output, or — called without a
+    residual — its input."""
+    if _is_pair(output):
+        return output[1]
+    return args[0]

@@ -1,0 +1,301 @@
+"""Start an engine, tell when it is ready, catch a hang, and always stop it completely.
+
+    from hstap.serve.supervisor import ServeConfig, Supervisor
+    sup = Supervisor(ServeConfig(engine="hf", model="smollm2", port=8000, run_dir=Path("runs/serve")))
+    sup.start(); sup.wait_ready(); ...; result = sup.stop()          # or: result = sup.run() until Ctrl-C
+
+The engine runs in its own process group; its output is teed to `RUN_DIR/engine.log` and echoed as progress with
+the phase (`loading`, `warmup`, `ready`). Ready means the engine's own ready line and then `GET /health` = 200.
+Watchdog, until ready: no new log output for `stall_timeout` seconds — or half of that while some process of the
+group burns a full core (a busy loop: the seed story's scheduler spinning on futexes) — is a HANG: every process's
+Python stacks go to `RUN_DIR/stacks/<pid>.txt` (py-spy), the group gets SIGTERM, then SIGKILL after `grace_s`,
+and the supervisor checks that no process of it survives. A crash reports the exit code and the last log lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field
+
+from hstap.errors import HstapError
+from hstap.serve.engines import engine_spec
+
+PHASES = [("ready", None), ("warmup", re.compile(r"warm ?up|capture cuda graph|cuda graph", re.I)),
+          ("loading", re.compile(r"load|weight|shard|init", re.I))]
+
+
+class ServeConfig(BaseModel):
+    """What `hstap serve` runs and how long it waits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: str
+    model: str
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, gt=0, lt=65536)
+    capture_layers: str | None = None
+    capture_dir: Path | None = None
+    run_dir: Path = Path("runs/serve")
+    ready_timeout: float = Field(default=1800, gt=0)
+    stall_timeout: float = Field(default=300, gt=0)
+    grace_s: float = Field(default=10, ge=0)
+    command: list[str] | None = None  # run this instead of the engine's launcher (wrappers, containers, tests)
+    extra: list[str] = Field(default_factory=list)
+    echo: bool = True
+
+
+@dataclass
+class ServeResult:
+    """How the engine ended. `status`: stopped | hang | crashed | timeout | interrupted."""
+
+    status: str
+    exit_code: int | None
+    phase: str
+    diagnosis: str
+    last_lines: list[str] = field(default_factory=list)
+    stacks_dir: Path | None = None
+    survivors: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "stopped" and not self.survivors
+
+
+class Supervisor:
+    """One engine process group, watched."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.spec = engine_spec(cfg.engine)
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.phase = "starting"
+        self.proc: subprocess.Popen | None = None
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=30)
+        self._last_output = time.monotonic()
+        self._ready_line = threading.Event()
+        self._known: dict[int, psutil.Process] = {}
+        self._cpu_mark: tuple[float, dict[int, float]] = (0.0, {})
+        self._reader: threading.Thread | None = None
+        self.log_path = cfg.run_dir / "engine.log"
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        from hstap.capture.sglang_cli import engine_config
+        from hstap.models.target import resolve_model_dir
+
+        cfg = self.cfg
+        capture = None
+        if cfg.capture_dir is not None:
+            capture = engine_config(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir, cfg.engine)
+        elif cfg.capture_layers is not None:
+            raise HstapError("--capture-layers needs --capture-dir (where the engine writes the store)")
+        model = cfg.model if cfg.engine == "hf" else str(resolve_model_dir(cfg.model)[0])
+        return self.spec.command(model, cfg.host, cfg.port, capture, cfg.extra, program=cfg.command)
+
+    def start(self) -> None:
+        argv, env = self.command()
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.cfg.run_dir / "command.txt").write_text(" ".join(argv) + "\n")
+        self._say(f"starting {self.cfg.engine}: {' '.join(argv)[:300]}")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self._known[self.proc.pid] = psutil.Process(self.proc.pid)
+        self._last_output = time.monotonic()
+        self._reader = threading.Thread(target=self._tee, name="hstap-serve-log", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, stop: threading.Event | None = None) -> ServeResult | None:
+        """Block until ready (returns None) or until the engine crashed, hung, timed out or `stop` was set
+        (returns how it ended, the group already gone)."""
+        started = time.monotonic()
+        while True:
+            self._track_children()
+            code = self.proc.poll()
+            if code is not None:
+                return self._ended("crashed", f"the engine exited with code {code} during {self.phase}")
+            if stop is not None and stop.is_set():
+                return self.stop("interrupted")
+            if self._ready_line.is_set() and self._healthy():
+                self.phase = "ready"
+                self._say(f"ready on {self.url} after {time.monotonic() - started:.0f} s")
+                return None
+            silent = time.monotonic() - self._last_output
+            spinning = self._spinning()
+            if silent >= self.cfg.stall_timeout or (spinning and silent >= self.cfg.stall_timeout / 2):
+                why = f"busy loop: {spinning} spinning on the CPU" if spinning else "processes idle or blocked"
+                return self._hang(f"no log output for {silent:.0f} s and not ready ({why})")
+            if time.monotonic() - started > self.cfg.ready_timeout:
+                return self._hang(f"not ready after --ready-timeout {self.cfg.ready_timeout:.0f} s", "timeout")
+            time.sleep(0.2)
+
+    def watch(self, stop: threading.Event) -> ServeResult:
+        """While ready: wait for `stop` (Ctrl-C) or for the engine to exit on its own."""
+        while not stop.wait(0.5):
+            self._track_children()
+            if self.proc.poll() is not None:
+                return self._ended("crashed", f"the engine exited with code {self.proc.returncode} while serving")
+        return self.stop("stopped")
+
+    def stop(self, status: str = "stopped", diagnosis: str = "") -> ServeResult:
+        """SIGTERM the group, SIGKILL after the grace period, and confirm nothing of it survives."""
+        self._say(f"stopping the engine ({status})")
+        survivors = self._kill_group()
+        return self._result(status, diagnosis or f"stopped by request during {self.phase}", survivors)
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _say(self, msg: str) -> None:
+        if self.cfg.echo:
+            print(f"hstap serve [{self.phase}]: {msg}", flush=True)
+
+    def _tee(self) -> None:
+        with open(self.log_path, "ab") as log:
+            for raw in iter(self.proc.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip()
+                self.last_lines.append(line)
+                self._last_output = time.monotonic()
+                if self.spec.ready_line in line:
+                    self._ready_line.set()
+                if self.phase not in ("ready",):
+                    self.phase = next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase)
+                if self.cfg.echo and line:
+                    print(f"  {self.cfg.engine}| {line[:240]}", flush=True)
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + self.spec.health_path, timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _track_children(self) -> None:
+        """Remember every descendant ever seen: one that left the process group is still ours to stop."""
+        try:
+            for child in self._known[self.proc.pid].children(recursive=True):
+                self._known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    def _alive(self) -> list[psutil.Process]:
+        alive = []
+        for p in self._known.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        return alive
+
+    def _spinning(self) -> str:
+        """The busiest process, when the group has burnt at least half a core since the last log output, else ''.
+        Averaged over the silent window and summed over the group (spinners sharing a busy machine each get only a
+        slice of a core; a group blocked on a lock or a socket uses next to none)."""
+        now = time.monotonic()
+        if self._cpu_mark[0] < self._last_output:  # new output since the mark: start a new window
+            self._cpu_mark = (now, self._cpu_times())
+            return ""
+        since, before = self._cpu_mark
+        if now - since < 1.0:
+            return ""
+        used = {pid: (cpu - before[pid]) / (now - since) for pid, cpu in self._cpu_times().items() if pid in before}
+        if sum(used.values()) < 0.5:  # the group together: spinners sharing a busy machine each get a slice
+            return ""
+        pid = max(used, key=used.get)
+        return f"pid {pid} ({self._known[pid].name()}) and {len(used) - 1} more at {sum(used.values()):.1f} cores"
+
+    def _cpu_times(self) -> dict[int, float]:
+        times = {}
+        for p in self._alive():
+            try:
+                t = p.cpu_times()
+                times[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return times
+
+    def _dump_stacks(self) -> Path:
+        stacks = self.cfg.run_dir / "stacks"
+        stacks.mkdir(parents=True, exist_ok=True)
+        spy = Path(sys.executable).with_name("py-spy")
+        for p in self._alive():
+            target = stacks / f"{p.pid}.txt"
+            try:
+                out = subprocess.run([str(spy) if spy.exists() else "py-spy", "dump", "--pid", str(p.pid)],
+                                     capture_output=True, text=True, timeout=30)
+                target.write_text(out.stdout + out.stderr)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                target.write_text(f"py-spy failed: {exc}\n")
+        return stacks
+
+    def _hang(self, why: str, status: str = "hang") -> ServeResult:
+        self._track_children()
+        stacks = self._dump_stacks()
+        self._say(f"HANG: {why}; stacks in {stacks}")
+        survivors = self._kill_group()
+        return self._result(status, f"{status.upper()} during {self.phase}: {why}", survivors, stacks)
+
+    def _ended(self, status: str, why: str) -> ServeResult:
+        survivors = self._kill_group()  # its children may outlive it
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        return self._result(status, why, survivors)
+
+    def _kill_group(self) -> list[int]:
+        self._track_children()
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        self._signal_all(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.grace_s
+        while self._alive() and time.monotonic() < deadline:
+            self.proc.poll()
+            time.sleep(0.1)
+        if self._alive():
+            self._signal_all(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self._alive() and time.monotonic() < deadline:
+                self.proc.poll()
+                time.sleep(0.1)
+        self.proc.poll()
+        return [p.pid for p in self._alive()]
+
+    def _signal_all(self, pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in self._alive():  # descendants that moved to another group
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def _result(self, status: str, why: str, survivors: list[int], stacks: Path | None = None) -> ServeResult:
+        code = self.proc.poll()
+        return ServeResult(status=status, exit_code=code, phase=self.phase, diagnosis=why,
+                           last_lines=list(self.last_lines)[-12:], stacks_dir=stacks, survivors=survivors)
+
+
+def format_result(r: ServeResult, log: Path) -> str:
+    lines = [f"hstap serve: {r.diagnosis}", f"  exit code: {r.exit_code}; phase: {r.phase}; log: {log}"]
+    if r.stacks_dir is not None:
+        lines.append(f"  Python stacks of every engine process: {r.stacks_dir}")
+    if r.survivors:
+        lines.append(f"  processes that survived SIGKILL: {r.survivors}")
+    if r.last_lines and r.status != "stopped":
+        lines.append("  last log lines:")
+        lines += [f"    {line}" for line in r.last_lines]
+    return "\n".join(lines)

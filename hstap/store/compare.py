@@ -1,0 +1,157 @@
+"""`hstap compare DIR_A DIR_B`: are two stores of the same conversations the same hidden states?
+
+    hstap compare runs/sglang runs/hf            # e.g. SGLang's capture against the transformers capture
+    hstap compare runs/a runs/b --per-sample --json
+
+Per tensor (hidden.k, teacher.*) and per common sample: max |a - b|, relative error ||a - b|| / ||b|| and the
+lowest per-token cosine similarity; input_ids and loss_mask must be identical. The verdict is MATCH when every
+common sample agrees within `--rtol` and `--min-cos` and neither store has samples the other lacks (exit 0),
+MISMATCH otherwise (exit 1). Layer ids are compared as stored (canonical in both), so a store captured with an
+off-by-one layer convention shows up as a large error on every layer, not as a silent pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from hstap.errors import HstapError
+from hstap.store.reader import open_store
+
+
+@dataclass
+class TensorStat:
+    """Worst case of one tensor name over the common samples."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    min_cos: float = 1.0
+    worst_sample: str = ""
+
+
+@dataclass
+class Comparison:
+    a: str
+    b: str
+    common: int
+    only_a: list[str]
+    only_b: list[str]
+    tensors: dict[str, TensorStat]
+    token_mismatch: list[str]
+    per_sample: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    rtol: float = 1e-2
+    min_cos: float = 0.999
+
+    @property
+    def ok(self) -> bool:
+        return (self.common > 0 and not self.only_a and not self.only_b and not self.token_mismatch
+                and all(s.max_rel <= self.rtol and s.min_cos >= self.min_cos for s in self.tensors.values()))
+
+    def verdict(self) -> str:
+        if self.ok:
+            return (f"verdict: MATCH — {self.common} samples, relative error ≤ {self.rtol:g} and cosine ≥ "
+                    f"{self.min_cos:g} on every tensor, identical tokens")
+        why = []
+        if self.common == 0:
+            why.append("no common samples")
+        if self.only_a or self.only_b:
+            why.append(f"{len(self.only_a)} samples only in A, {len(self.only_b)} only in B")
+        if self.token_mismatch:
+            why.append(f"{len(self.token_mismatch)} samples with different tokens (first {self.token_mismatch[0]!r})")
+        for name, s in self.tensors.items():
+            if s.max_rel > self.rtol or s.min_cos < self.min_cos:
+                why.append(f"{name}: rel err {s.max_rel:.3g}, cosine {s.min_cos:.6f} (sample {s.worst_sample!r})")
+        return "verdict: MISMATCH — " + "; ".join(why)
+
+
+def _stats(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    x, y = x.double(), y.double()  # (S, H)
+    diff = x - y
+    rel = float(diff.norm() / y.norm().clamp_min(1e-12))
+    cos = torch.nn.functional.cosine_similarity(x, y, dim=-1, eps=1e-12)  # (S,)
+    return {"max_abs": float(diff.abs().max()), "rel": rel, "min_cos": float(cos.min())}
+
+
+def _flat(sample: dict) -> dict[str, torch.Tensor]:
+    out = {f"hidden.{k}": t for k, t in sample["hidden"].items()}
+    out.update({f"teacher.{k}": t for k, t in sample["teacher"].items() if t.is_floating_point()})
+    return out
+
+
+def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: float = 0.999,
+                   keep_per_sample: bool = False) -> Comparison:
+    """Compare the samples two stores have in common, tensor by tensor.
+
+    Raises:
+        HstapError: a directory is not a store, or the two stores share no tensor name to compare.
+    """
+    sa, sb = open_store(a), open_store(b)
+    ids_a, ids_b = sa.ids(), set(sb.ids())
+    common = [i for i in ids_a if i in ids_b]
+    names_a = {n for n in sa.manifest.tensors if n.startswith(("hidden.", "teacher."))}
+    names_b = {n for n in sb.manifest.tensors if n.startswith(("hidden.", "teacher."))}
+    if not names_a & names_b:
+        raise HstapError(f"{a} has tensors {sorted(names_a)}, {b} has {sorted(names_b)}: nothing to compare "
+                         "(capture both with the same --layers, and --teacher hidden for an engine capture)")
+    result = Comparison(a=str(a), b=str(b), common=len(common), only_a=[i for i in ids_a if i not in ids_b],
+                        only_b=sorted(ids_b - set(ids_a)), tensors={}, token_mismatch=[], rtol=rtol, min_cos=min_cos)
+    for sid in common:
+        x, y = sa[sa.index_of(sid)], sb[sb.index_of(sid)]
+        if not (torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])):
+            result.token_mismatch.append(sid)
+            continue
+        fx, fy = _flat(x), _flat(y)
+        for name in sorted(fx.keys() & fy.keys()):
+            st = _stats(fx[name], fy[name])
+            agg = result.tensors.setdefault(name, TensorStat())
+            if st["rel"] > agg.max_rel or st["min_cos"] < agg.min_cos or not agg.worst_sample:
+                agg.worst_sample = sid
+            agg.max_abs, agg.max_rel = max(agg.max_abs, st["max_abs"]), max(agg.max_rel, st["rel"])
+            agg.min_cos = min(agg.min_cos, st["min_cos"])
+            if keep_per_sample:
+                result.per_sample.setdefault(sid, {})[name] = st
+    return result
+
+
+def format_comparison(c: Comparison, per_sample: bool = False) -> str:
+    lines = [f"hstap compare {c.a} {c.b}: {c.common} common samples "
+             f"({len(c.only_a)} only in A, {len(c.only_b)} only in B)",
+             f"  {'tensor':<22} {'max|diff|':>12} {'max rel err':>12} {'min cosine':>12}  worst sample"]
+    for name, s in sorted(c.tensors.items(), key=lambda kv: _order(kv[0])):
+        lines.append(f"  {name:<22} {s.max_abs:>12.4g} {s.max_rel:>12.4g} {s.min_cos:>12.6f}  {s.worst_sample}")
+    if per_sample:
+        for sid, by_name in c.per_sample.items():
+            for name, st in sorted(by_name.items(), key=lambda kv: _order(kv[0])):
+                lines.append(f"    {sid:<20} {name:<16} max|diff| {st['max_abs']:.4g}  rel {st['rel']:.4g}  "
+                             f"cos {st['min_cos']:.6f}")
+    lines.append(c.verdict())
+    return "\n".join(lines)
+
+
+def _order(name: str) -> tuple:
+    head, _, tail = name.partition(".")
+    return (head != "hidden", int(tail) if tail.isdigit() else 0, name)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compare", help="per-layer, per-sample differences between two stores of the same samples")
+    p.add_argument("dir_a", type=Path)
+    p.add_argument("dir_b", type=Path)
+    p.add_argument("--rtol", type=float, default=1e-2, help="largest relative error ||a-b||/||b|| still a match")
+    p.add_argument("--min-cos", type=float, default=0.999, help="lowest per-token cosine similarity still a match")
+    p.add_argument("--per-sample", action="store_true", help="print every sample's numbers too")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    c = compare_stores(args.dir_a, args.dir_b, rtol=args.rtol, min_cos=args.min_cos,
+                       keep_per_sample=args.per_sample or args.json)
+    if args.json:
+        print(json.dumps({**asdict(c), "ok": c.ok, "verdict": c.verdict()}, indent=2))
+    else:
+        print(format_comparison(c, per_sample=args.per_sample))
+    return 0 if c.ok else 1

@@ -1,0 +1,104 @@
+"""The vLLM worker extension: `install_taps` / `remove_taps` on a model with vLLM's layer contract (real SmolLM2
+weights), fed the forward-context facts vLLM's attention metadata carries. vLLM itself needs a CUDA build to
+import; the last test runs the real engine where it is importable (see docs/engines.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hstap.capture.vllm as hv
+from hstap.capture.engine import REQUESTS_NAME
+from hstap.capture.sglang_cli import engine_config
+from hstap.store import open_store
+from hstap.store.compare import compare_stores
+from tests.capture.engine_model import VLLM_INFO, VllmCausalLM, vllm_step
+from tests.capture.conftest import LAYERS
+
+
+class FakeWorker(hv.HstapWorkerExtension):
+    """What `--worker-extension-cls` mixes the extension into: a worker with `model_runner.model`."""
+
+    def __init__(self, model):
+        self.model_runner = type("Runner", (), {"model": model})()
+
+
+@pytest.fixture
+def worker(target, tmp_path, samples, monkeypatch):
+    monkeypatch.setattr(hv, "forward_info", lambda: VLLM_INFO[0])
+    out = tmp_path / "cap"
+    out.mkdir()
+    (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
+                                                         "loss_mask": s.loss_mask}) + "\n" for s in samples))
+    cfg = engine_config("smollm2", LAYERS, out, "vllm", dtype="fp32")
+    w = FakeWorker(VllmCausalLM(target.model))
+    assert "writing to" in w.install_taps(cfg.model_dump_json())  # what collective_rpc passes: a JSON string
+    return w, out, cfg.model_dump_json()
+
+
+def test_mixed_batches_equal_the_transformers_capture(worker, target, convs, samples):
+    w, out, _ = worker
+    model = w.model_runner.model
+    plain = VllmCausalLM(target.model)
+    s0, s1, s2, s3, s4 = (s.input_ids for s in samples)
+    first = [("a", s0, 0), ("b", s1[:25], 0)]  # a whole request and a first chunk
+    assert torch.equal(vllm_step(model, first), vllm_step(plain, first))  # the taps change nothing
+    vllm_step(model, [("a", [7], len(s0)), ("b", s1[25:], 25), ("c", s2, 0)])  # a decode row, the last chunk, one more
+    vllm_step(model, [("a", [8], len(s0) + 1), ("c", [9], len(s2))])  # pure decode: skipped
+    vllm_step(model, [("d", s3, 0), ("e", s4, 0)])
+    report = json.loads(w.remove_taps())[str(out.resolve())]
+    assert report["captured"] == 5 and report["errors"] == 0, report
+    assert report["skipped"] == {"decode": 1}  # the decode row of the mixed batch was never copied
+    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999)
+    assert cmp.ok, cmp.verdict()
+    assert not any(layer._forward_hooks for layer in model.model.layers)  # remove_taps took them off
+
+
+def test_prefix_cache_hit_is_refused(worker, samples):
+    w, out, config = worker
+    model = w.model_runner.model
+    ids = samples[0].input_ids
+    w.hstap_remove_all()
+    vllm_step(model, [("a", ids[:30], 0)])  # computed while no tap was on: these rows exist nowhere in the capture
+    assert "writing to" in w.install_taps(config)
+    model.kv["b"] = dict(model.kv["a"])  # vLLM's prefix cache gives request b those 30 tokens
+    vllm_step(model, [("b", ids[30:], 30)])
+    report = json.loads(w.remove_taps())[str(out.resolve())]
+    assert report["refused_prefix_cached"] == 1 and report.get("captured", 0) == 0, report
+    assert len(open_store(out)) == 0
+
+
+@pytest.mark.engine
+@pytest.mark.gpu
+def test_real_vllm_engine_equals_transformers(tmp_path, convs, samples):
+    """On a GPU machine with vLLM installed (docs/engines.md): the real engine through collective_rpc."""
+    vllm = pytest.importorskip("vllm")
+    from hstap.models.target import resolve_model_dir
+
+    out = tmp_path / "cap"
+    out.mkdir()
+    (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
+                                                         "loss_mask": s.loss_mask}) + "\n" for s in samples))
+    cfg = engine_config("smollm2", LAYERS, out, "vllm", dtype="fp32")
+    llm = vllm.LLM(model=str(resolve_model_dir("smollm2")[0]), enforce_eager=True, enable_prefix_caching=False,
+                   worker_extension_cls=hv.EXTENSION, dtype="float32", gpu_memory_utilization=0.3)
+    llm.collective_rpc("install_taps", args=(cfg.model_dump_json(),))
+    llm.generate([{"prompt_token_ids": s.input_ids} for s in samples], vllm.SamplingParams(max_tokens=1))
+    llm.collective_rpc("remove_taps")
+    cmp = compare_stores(out, convs[1], rtol=2e-3, min_cos=0.9999)
+    assert cmp.ok, cmp.verdict()
+
+
+def test_vllm_flags_prints_the_launch_flags_and_the_rpc_body(tmp_path, capsys):
+    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.cli import main
+
+    assert main(["vllm-flags", "--model", "smollm2", "--out", str(tmp_path / "cap"), "--rpc"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    cfg = EngineCaptureConfig.model_validate_json(body["args"][0])  # what install_taps receives
+    assert body["method"] == "install_taps" and cfg.layers == [1, 14, 26] and cfg.engine == "vllm"
+    assert main(["vllm-flags", "--model", "smollm2", "--out", str(tmp_path / "cap")]) == 0
+    out = capsys.readouterr().out
+    assert "--enforce-eager --no-enable-prefix-caching --worker-extension-cls " + hv.EXTENSION in out

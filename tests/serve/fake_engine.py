@@ -1,0 +1,72 @@
+"""A stand-in engine for the supervisor tests: `python fake_engine.py MODE [engine args...]`.
+
+MODE `hang`: prints SGLang-like loading lines, announces warmup, starts two workers that spin (one of them in its
+own session, out of the process group, as a detached scheduler would be) and then busy-loops itself.
+MODE `crash`: prints loading lines and dies with a traceback, exit code 3.
+MODE `healthy`: prints SGLang's ready line and answers GET /health on --port; one idle worker child.
+Every pid it starts is appended to $FAKE_PIDS (one per line) so the test can check that none survives.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def record(pid: int) -> None:
+    with open(os.environ["FAKE_PIDS"], "a") as f:
+        f.write(f"{pid}\n")
+
+
+def spin_forever() -> None:
+    x = 0
+    while True:  # the seed's scheduler: 100 % CPU, no progress, no output
+        x += 1
+
+
+def worker(cmd: str, detach: bool = False) -> None:
+    child = subprocess.Popen([sys.executable, "-c", cmd], start_new_session=detach)
+    record(child.pid)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=0)
+    args, _ = ap.parse_known_args(sys.argv[2:])
+    record(os.getpid())
+    print("[2026-11-29 10:00:00] Load weight begin. avail mem=139.00 GB", flush=True)
+    print("[2026-11-29 10:00:01] Loading safetensors checkpoint shards: 100% 4/4", flush=True)
+    if mode == "crash":
+        print("Traceback (most recent call last):", flush=True)
+        print('  File "model_runner.py", line 412, in init_memory_pool', flush=True)
+        print("RuntimeError: CUDA out of memory (fake): tried to allocate 20.00 GiB", flush=True)
+        sys.exit(3)
+    if mode == "hang":
+        print("[2026-11-29 10:00:02] Capture cuda graph begin. Warmup request sent.", flush=True)
+        worker("while True: pass")
+        worker("while True: pass", detach=True)
+        spin_forever()
+    if mode == "healthy":
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        class Health(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        worker("import time; time.sleep(600)")
+        server = HTTPServer(("127.0.0.1", args.port), Health)
+        print("The server is fired up and ready to roll!", flush=True)
+        deadline = time.monotonic() + 300  # bounded: a fake engine never outlives a test run by much
+        server.timeout = 0.5
+        while time.monotonic() < deadline:
+            server.handle_request()
+
+
+if __name__ == "__main__":
+    main()

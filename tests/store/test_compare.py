@@ -1,0 +1,84 @@
+"""`hstap compare`: identical stores match, a perturbed layer, a layer-id shift, missing samples and different
+tokens are each named in the verdict."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hstap.cli import main
+from hstap.store import StoreWriter
+from hstap.store.compare import compare_stores
+from tests.store.conftest import LAYERS, make_sample, write_samples
+
+
+def _write(path, meta, ids, change=None):
+    with StoreWriter(path, meta, shard_bytes=4096) as w:
+        for i in ids:
+            sample = make_sample(i)
+            if change:
+                change(i, sample)
+            w.add(f"s{i}", sample)
+
+
+def test_identical_stores_match(tmp_path, meta, capsys):
+    write_samples(tmp_path / "a", meta, range(6))
+    write_samples(tmp_path / "b", meta, range(6))
+    c = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert c.ok and c.common == 6
+    assert set(c.tensors) == {f"hidden.{k}" for k in LAYERS} | {"teacher.topk_logprobs"}
+    assert all(s.max_abs == 0 and s.min_cos > 0.999999 for s in c.tensors.values())
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: MATCH" in out and "hidden.14" in out
+
+
+def test_one_perturbed_layer_of_one_sample_is_named(tmp_path, meta, capsys):
+    write_samples(tmp_path / "a", meta, range(5))
+
+    def noise(i, sample):
+        if i == 3:
+            sample["hidden.14"] = (sample["hidden.14"].float() + 0.5 * torch.randn_like(sample["hidden.14"].float())
+                                   ).to(torch.bfloat16)
+
+    _write(tmp_path / "b", meta, range(5), noise)
+    c = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert not c.ok
+    assert c.tensors["hidden.14"].worst_sample == "s3" and c.tensors["hidden.14"].max_rel > 0.1
+    assert c.tensors["hidden.1"].max_abs == 0
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and "hidden.14" in report["verdict"] and "s3" in report["verdict"]
+
+
+def test_off_by_one_layer_convention_fails_every_layer(tmp_path, meta):
+    write_samples(tmp_path / "a", meta, range(4))
+
+    def shifted(i, sample):  # what a +1 convention mix-up looks like: every layer holds its neighbour's values
+        layers = [sample[f"hidden.{k}"] for k in LAYERS]
+        for k, values in zip(LAYERS, layers[1:] + layers[:1]):
+            sample[f"hidden.{k}"] = values
+
+    _write(tmp_path / "b", meta, range(4), shifted)
+    c = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert not c.ok and all(c.tensors[f"hidden.{k}"].min_cos < 0.9 for k in LAYERS)
+
+
+def test_missing_samples_and_different_tokens_are_reported(tmp_path, meta):
+    write_samples(tmp_path / "a", meta, range(5))
+
+    def retokenized(i, sample):
+        if i == 1:
+            sample["input_ids"] = sample["input_ids"].flip(0)
+
+    _write(tmp_path / "b", meta, range(1, 7), retokenized)
+    c = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert c.only_a == ["s0"] and c.only_b == ["s5", "s6"] and c.token_mismatch == ["s1"]
+    assert "1 samples only in A, 2 only in B" in c.verdict() and "'s1'" in c.verdict()
+
+
+def test_not_a_store_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+    assert "not an hstap store" in capsys.readouterr().err
