@@ -19,8 +19,17 @@ from hstap.errors import HstapError
 
 COMMANDS = {
     "capture": "hstap.capture.cli",
+    "train": "hstap.train.cli",
+    "eval": "hstap.evaluate.cli",
+    "synth": "hstap.synth.cli",
     "store": "hstap.store.cli",
     "demo": "hstap.demo",
+    "sglang-flags": "hstap.capture.sglang_cli",
+    "vllm-flags": "hstap.capture.vllm_cli",
+    "capture-remote": "hstap.capture.remote",
+    "serve": "hstap.serve.cli",
+    "compare": "hstap.store.compare",
+    "export": "hstap.export.cli",
 }
 
 

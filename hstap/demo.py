@@ -1,28 +1,159 @@
-"""`hstap demo`: the main job on the embedded default (SmolLM2 + ShareGPT), on a CPU.
+"""`hstap demo` (what `make demo` runs): the whole job on the embedded default, end to end.
 
-For now: capture a few ShareGPT conversations and print the store summary. Training, evaluation and export join
-as their stages land.
+    hstap demo [--preset cpu|gpu] [--out runs/demo]
+
+1. synth   — SmolLM2 regenerates the answers to short ShareGPT prompts (greedy, its own distribution)
+2. capture — prefill those conversations with the tap on → a store
+3. train   — the EAGLE-3 drafter from the store (training-time test, held-out τ estimate)
+4. eval    — speculative decoding on MT-bench against vanilla decoding, same backend, same run: τ and speedup
+5. export  — an SGLang/vLLM-loadable EAGLE-3 draft checkpoint
+Each stage resumes or reuses what an earlier run of the same preset left in `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
+@dataclass(frozen=True)
+class Preset:
+    prompts: int  # ShareGPT prompts regenerated and trained on
+    prompt_chars: int  # keep first user turns shorter than this (long prompts cost prefill, not answers)
+    new_tokens: int  # synth answer length cap
+    synth_batch: int
+    max_tokens: int  # capture/train sample cap
+    epochs: int
+    ttt_steps: int
+    draft_vocab: int
+    lr: float
+    batch_tokens: int
+    eval_questions: int
+    eval_new_tokens: int
+    shapes: tuple[str, ...]
+    device: str
+
+
+PRESETS = {
+    # sized to finish in well under 15 minutes on 2 CPU cores (docs/benchmarks.md has the measured time)
+    "cpu": Preset(prompts=96, prompt_chars=400, new_tokens=128, synth_batch=16, max_tokens=320, epochs=4,
+                  ttt_steps=4, draft_vocab=4096, lr=3e-3, batch_tokens=2048, eval_questions=8,
+                  eval_new_tokens=64, shapes=("chain:3",), device="cpu"),
+    # the whole path in about a minute, for the smoke test (tests/test_demo.py); proves wiring, not quality
+    "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
+                    ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
+                    eval_new_tokens=12, shapes=("chain:2",), device="cpu"),
+    # one H200: every stage scaled up
+    "gpu": Preset(prompts=4000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=3,
+                  ttt_steps=7, draft_vocab=32000, lr=1e-3, batch_tokens=16384, eval_questions=80,
+                  eval_new_tokens=256, shapes=("chain:3", "tree:8,8,60"), device="cuda"),
+}
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the embedded default")
-    p.add_argument("--limit", type=int, default=16, help="ShareGPT conversations to capture")
+    p = sub.add_parser("demo", help="the main job on the embedded default: synth → capture → train → eval → export")
+    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
+
+
+def short_prompts(out: Path, count: int, max_chars: int) -> tuple[Path, int]:
+    """The first `count` ShareGPT conversations whose first user turn is short, as a JSONL of prompts."""
+    from hstap.data import SkipReport, iter_sharegpt
+
+    path = out / "prompts.jsonl"
+    if path.exists():
+        return path, sum(1 for _ in open(path))
+    rows, report = [], SkipReport()
+    for conv in iter_sharegpt(report=report):
+        first = conv.messages[0] if conv.messages[0]["role"] == "user" else conv.messages[1]
+        if len(first["content"]) < max_chars:
+            rows.append({"id": conv.id, "messages": [first]})
+        if len(rows) == count:
+            break
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    return path, len(rows)
 
 
 def run(args: argparse.Namespace) -> int:
     from hstap.capture.run import CaptureConfig, run_capture
-    from hstap.store import store_info
-    from hstap.store.cli import format_info
+    from hstap.evaluate.run import EvalConfig, run_eval
+    from hstap.export import export_drafter
+    from hstap.synth.config import SynthConfig
+    from hstap.synth.run import run_synth
+    from hstap.train.run import TrainConfig, run_train
 
-    cfg = CaptureConfig(model="smollm2", data="sharegpt", limit=args.limit, out=args.out / "capture", max_tokens=512)
-    result = run_capture(cfg)
-    print(result.summary())
-    print(format_info(store_info(cfg.out)))
-    return 1 if result.tap_report.errors else 0
+    p, out = PRESETS[args.preset], Path(args.out)
+    timings: dict[str, float] = {}
+
+    def stage(name: str):
+        print(f"\n── {name} " + "─" * (60 - len(name)), flush=True)
+        timings[name] = time.perf_counter()
+
+    def done(name: str) -> None:
+        timings[name] = time.perf_counter() - timings[name]
+
+    stage("synth")
+    prompts, n = short_prompts(out, p.prompts, p.prompt_chars)
+    synth_out = out / "synth.jsonl"
+    synth = run_synth(SynthConfig(model="smollm2", data=f"jsonl:{prompts}", out=synth_out, max_new_tokens=p.new_tokens,
+                                  batch_size=p.synth_batch, device=p.device))
+    print(synth.summary())
+    done("synth")
+
+    stage("capture")
+    store = out / "store"
+    cap = run_capture(CaptureConfig(data=f"jsonl:{synth_out}", out=store, max_tokens=p.max_tokens,
+                                    device=p.device, batch_tokens=max(p.batch_tokens, 4096)))
+    print(cap.summary())
+    done("capture")
+
+    stage("train")
+    drafter = out / "drafter"
+    trained = run_train(TrainConfig(store=store, out=drafter, epochs=p.epochs, ttt_steps=p.ttt_steps,
+                                    draft_vocab=p.draft_vocab, lr=p.lr, batch_tokens=p.batch_tokens,
+                                    device=p.device, heldout=0.05))
+    print(trained.summary())
+    done("train")
+
+    stage("eval")
+    evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions,
+                                    shapes=list(p.shapes), max_new_tokens=p.eval_new_tokens, device=p.device))
+    print(evaluated.summary())
+    done("eval")
+
+    stage("export")
+    exported = export_drafter(drafter, "sglang", out / "export-sglang", force=True)
+    done("export")
+
+    _final_table(p, n, trained, evaluated, exported, timings, out)
+    return 0
+
+
+def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path, timings: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hstap demo — SmolLM2-135M-Instruct, {prompts} regenerated ShareGPT answers")
+    for col in ("what", "value", "where"):
+        table.add_column(col)
+    h0, h1 = trained.initial_heldout, trained.heldout
+    if "acc" in h0 and "acc" in h1:  # a held-out split exists (tiny runs may hold out nothing)
+        table.add_row("held-out step-0 top-1", f"{h0['acc'][0]:.3f} → {h1['acc'][0]:.3f} (untrained → trained)",
+                      str(trained.out / "accuracy.png"))
+    for m in evaluated.methods:
+        table.add_row(f"τ, {m.shape.label}", f"{m.tau:.2f} ({len(evaluated.prompts)} MT-bench questions, greedy)",
+                      str(evaluated.files[0].parent / "report.md"))
+        table.add_row(f"speedup, {m.shape.label}",
+                      f"{evaluated.speedup(m):.2f}× ({m.tokens_per_second:.1f} vs "
+                      f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla)", "")
+    table.add_row("drafter", f"{trained.steps} steps, {trained.train_tokens} tokens", str(trained.out))
+    table.add_row("SGLang/vLLM export", "LlamaForCausalLMEagle3", str(exported))
+    table.add_row("time", " · ".join(f"{k} {v:.0f}s" for k, v in timings.items()) +
+                  f" · total {sum(timings.values()):.0f}s", str(out))
+    Console().print(table)

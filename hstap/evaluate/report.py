@@ -1,0 +1,157 @@
+"""The evaluation report: report.json (everything), report.md (tables + plots), two PNG plots.
+
+    write_report(result.to_dict(), run_dir)
+    # → report.json, report.md, acceptance_per_position.png, tau_distribution.png
+
+Plots: acceptance rate per draft position (one line per shape) and the τ distribution (tokens per verification
+forward over all forwards, and τ per prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:
+    from hstap.evaluate.run import EvalResult
+
+FORMAT = 1
+
+
+def _num(x: float) -> float | None:
+    """JSON has no NaN: undefined values (e.g. τ with no verification forward) become null."""
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def result_dict(result: "EvalResult") -> dict:
+    """Everything report.json holds: config, totals per method, per-prompt numbers."""
+    v = result.vanilla
+    shapes = []
+    for m in result.methods:
+        drafted = [d for g in m.generations for d in g.drafted]
+        shapes.append({
+            "shape": m.name, "label": m.shape.label, "tau": _num(m.tau), "verify_forwards": m.verify_forwards,
+            "tokens": m.tokens, "seconds": m.seconds, "tokens_per_second": m.tokens_per_second,
+            "speedup": _num(result.speedup(m)),
+            "acceptance_per_position": [_num(a) for a in m.acceptance_per_position()],
+            "tokens_per_forward_histogram": {str(k): n for k, n in m.tokens_per_forward().items()},
+            "mean_draft_tokens": sum(drafted) / len(drafted) if drafted else 0.0,
+            "greedy_matches_vanilla": result.greedy_matches(m),
+        })
+    per_prompt = []
+    for i, prompt in enumerate(result.prompts):
+        base = v.generations[i]
+        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids),
+               "vanilla": {"tokens": len(base.tokens), "seconds": base.seconds,
+                           "tokens_per_second": _tps(base)}}
+        for m in result.methods:
+            g = m.generations[i]
+            row[m.name] = {"tokens": len(g.tokens), "tau": _num(g.tau), "verify_forwards": g.verify_forwards,
+                           "seconds": g.seconds, "tokens_per_second": _tps(g),
+                           "speedup": _tps(g) / _tps(base) if _tps(base) > 0 else None,
+                           "matches_vanilla": g.tokens == base.tokens}
+        per_prompt.append(row)
+    return {
+        "hstap_eval": FORMAT,
+        "config": result.config,
+        "target": result.target,
+        "prompts": len(result.prompts),
+        "vanilla": {"tokens": v.tokens, "seconds": v.seconds, "tokens_per_second": v.tokens_per_second,
+                    "verify_forwards": v.verify_forwards},
+        "shapes": shapes,
+        "per_prompt": per_prompt,
+    }
+
+
+def _tps(g) -> float:
+    from hstap.metrics import tokens_per_second
+
+    return tokens_per_second(len(g.tokens), g.seconds)
+
+
+def write_report(report: dict, out_dir: Path) -> list[Path]:
+    """Write report.json, report.md and the plots into `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "report.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plots = [plot_acceptance(report, out / "acceptance_per_position.png"),
+             plot_tau(report, out / "tau_distribution.png")]
+    md_path = out / "report.md"
+    md_path.write_text(markdown(report, [p.name for p in plots]))
+    return [json_path, md_path, *plots]
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(report: dict, plot_names: list[str]) -> str:
+    cfg, tgt, v = report["config"], report["target"], report["vanilla"]
+    lines = [
+        "# hstap eval", "",
+        f"Target `{tgt['model_id']}` ({tgt['dtype']} on {tgt['device']}, {tgt['torch_threads']} threads), drafter "
+        f"`{cfg['drafter']}`, bench `{cfg['bench']}` ({report['prompts']} prompts, first user turn), temperature "
+        f"{cfg['temperature']}, max {cfg['max_new_tokens']} new tokens, {cfg['warmup']} warm-up run(s) excluded.",
+        "",
+        "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded). "
+        "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run.", "",
+        "| draft shape | τ | acceptance per position | draft tokens | tokens/s | speedup | same as vanilla |",
+        "|---|---|---|---|---|---|---|",
+        f"| vanilla | 1.00 | – | 0 | {v['tokens_per_second']:.1f} | 1.00x | – |",
+    ]
+    for s in report["shapes"]:
+        acc = " ".join(_fmt(a) for a in s["acceptance_per_position"])
+        same = "–" if s["greedy_matches_vanilla"] is None else f"{s['greedy_matches_vanilla']}/{report['prompts']}"
+        lines.append(f"| {s['label']} | {_fmt(s['tau'])} | {acc} | {s['mean_draft_tokens']:.1f} | "
+                     f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {same} |")
+    lines += [""] + [f"![{name}]({name})" for name in plot_names] + ["", "## Per prompt", ""]
+    names = [s["shape"] for s in report["shapes"]]
+    lines.append("| prompt | prompt tokens | vanilla tok/s | " + " | ".join(f"{n} τ / speedup" for n in names) + " |")
+    lines.append("|---" * (3 + len(names)) + "|")
+    for row in report["per_prompt"]:
+        cells = [f"{_fmt(row[n]['tau'])} / {_fmt(row[n]['speedup'])}x" for n in names]
+        lines.append(f"| {row['id']} | {row['prompt_tokens']} | {row['vanilla']['tokens_per_second']:.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(report: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in report["shapes"]:
+        acc = [a if a is not None else float("nan") for a in s["acceptance_per_position"]]
+        ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{s['label']} (τ {_fmt(s['tau'])})")
+    ax.set_xlabel("draft position (depth)"), ax.set_ylabel("fraction of verifications accepting it")
+    ax.set_ylim(0, 1), ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_tau(report: dict, path: Path) -> Path:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    n = max(len(report["shapes"]), 1)
+    width = 0.8 / n
+    for j, s in enumerate(report["shapes"]):
+        hist = {int(k): c for k, c in s["tokens_per_forward_histogram"].items()}
+        total = sum(hist.values()) or 1
+        left.bar([k + (j - (n - 1) / 2) * width for k in hist], [c / total for c in hist.values()], width=width,
+                 label=s["label"])
+        taus = [row[s["shape"]]["tau"] for row in report["per_prompt"] if row[s["shape"]]["tau"] is not None]
+        right.hist(taus, bins=20, alpha=0.6, label=s["label"])
+    left.set_xlabel("tokens per verification forward (accepted + bonus)"), left.set_ylabel("fraction of forwards")
+    right.set_xlabel("τ per prompt"), right.set_ylabel("prompts")
+    left.legend(fontsize=8), right.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,223 @@
+"""`hstap eval`: speculative decoding with the embedded target against vanilla decoding, in one run.
+
+    hstap eval --drafter runs/drafter --bench mt-bench --limit 20 --chain 3 --tree 8,8,60
+
+Prompts are the first user turn of each conversation (with any system message before it): for MT-bench the first
+of its two turns. For every prompt, vanilla decoding and then each draft shape run back to back on the same
+backend (transformers, batch 1, DynamicCache), after `warmup` untimed runs of each on the first prompt. Writes
+report.json, report.md and plots into the drafter's run directory (or `out`).
+
+For a benchmark script: `evaluate_shapes(model, drafter, prompts, shapes, ...)` measures several draft shapes
+against one vanilla baseline without touching the disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tqdm import tqdm
+
+from hstap.data import open_source, render_prompt
+from hstap.drafter import Eagle3Drafter
+from hstap.errors import HstapError
+from hstap.evaluate.spec import Generation, speculative_generate, vanilla_generate
+from hstap.evaluate.tree import DraftShape
+from hstap.metrics import acceptance_length, tokens_per_second
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2"
+    drafter: Path
+    bench: str = "mt-bench"  # mt-bench | sharegpt | jsonl:PATH
+    limit: int | None = Field(default=None, ge=1)
+    shapes: list[str] = Field(default_factory=lambda: ["chain:3"], min_length=1)  # chain:K | tree:D,TOPK,N
+    temperature: float = Field(default=0.0, ge=0)
+    max_new_tokens: int = Field(default=128, ge=2)
+    warmup: int = Field(default=1, ge=0)  # untimed runs of every method on the first prompt
+    seed: int = 0
+    device: str = "cpu"
+    out: Path | None = None  # default: the drafter's run directory
+
+    @field_validator("shapes")
+    @classmethod
+    def _known_shapes(cls, shapes: list[str]) -> list[str]:
+        return [DraftShape.parse(s).spec for s in shapes]
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+@dataclass
+class MethodResult:
+    """One decoding method (vanilla or a draft shape) over every prompt, in prompt order."""
+
+    name: str
+    shape: DraftShape | None
+    generations: list[Generation]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+    @property
+    def seconds(self) -> float:
+        return sum(g.seconds for g in self.generations)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return tokens_per_second(self.tokens, self.seconds)
+
+    @property
+    def verify_forwards(self) -> int:
+        return sum(g.verify_forwards for g in self.generations)
+
+    @property
+    def tau(self) -> float:
+        forwards = self.verify_forwards
+        return acceptance_length(sum(sum(g.emitted) for g in self.generations), forwards) if forwards else float("nan")
+
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of verification forwards whose k-th draft token was accepted, k = 1..depth."""
+        steps = [a for g in self.generations for a in g.accepted]
+        depth = self.shape.depth if self.shape else 0
+        return [sum(a >= k for a in steps) / len(steps) if steps else float("nan") for k in range(1, depth + 1)]
+
+    def tokens_per_forward(self) -> dict[int, int]:
+        """Histogram of accepted + 1 (tokens a verification forward yields, before any cut at the end)."""
+        hist: dict[int, int] = {}
+        for a in (a for g in self.generations for a in g.accepted):
+            hist[a + 1] = hist.get(a + 1, 0) + 1
+        return dict(sorted(hist.items()))
+
+
+@dataclass
+class EvalResult:
+    config: dict
+    target: dict
+    prompts: list[Prompt]
+    vanilla: MethodResult
+    methods: list[MethodResult]
+    out_dir: Path | None = None
+    files: list[Path] | None = None
+
+    def speedup(self, method: MethodResult) -> float:
+        base = self.vanilla.tokens_per_second
+        return method.tokens_per_second / base if base > 0 else float("nan")
+
+    def greedy_matches(self, method: MethodResult) -> int | None:
+        """Prompts whose output equals vanilla's token for token (greedy only; sampling differs by design)."""
+        if self.config.get("temperature", 0) > 0:
+            return None
+        return sum(g.tokens == v.tokens for g, v in zip(method.generations, self.vanilla.generations))
+
+    def to_dict(self) -> dict:
+        from hstap.evaluate.report import result_dict
+
+        return result_dict(self)
+
+    def summary(self) -> str:
+        v = self.vanilla
+        lines = [f"{len(self.prompts)} prompts, T={self.config.get('temperature', 0)}: vanilla "
+                 f"{v.tokens_per_second:.1f} tok/s"]
+        for m in self.methods:
+            match = self.greedy_matches(m)
+            same = "" if match is None else f", identical to vanilla on {match}/{len(self.prompts)}"
+            lines.append(f"{m.shape.label}: τ {m.tau:.2f}, {m.tokens_per_second:.1f} tok/s, speedup "
+                         f"{self.speedup(m):.2f}x{same}")
+        if self.files:
+            lines.append(f"report: {self.files[0].parent}/report.md")
+        return "\n".join(lines)
+
+
+def stop_ids_of(model: torch.nn.Module, tokenizer) -> set[int]:
+    """Ids that end an answer: the generation config's eos id(s) and the tokenizer's eos."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_prompts(bench: str, tokenizer, limit: int | None = None) -> list[Prompt]:
+    """First user turn (and any system message before it) of each conversation, rendered with the template."""
+    prompts = []
+    for conv in open_source(bench, limit=limit):
+        first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), None)
+        if first_user is not None:
+            prompts.append(Prompt(conv.id, render_prompt(conv.messages[: first_user + 1], tokenizer)))
+    if not prompts:
+        raise HstapError(f"--bench {bench}: no conversation with a user turn")
+    return prompts
+
+
+def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter, prompts: list[Prompt],
+                    shapes: list[DraftShape], max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+                    seed: int = 0, warmup: int = 1, progress: bool = True) -> tuple[MethodResult, list[MethodResult]]:
+    """Vanilla decoding and every draft shape on every prompt, interleaved prompt by prompt.
+
+    Each method gets a generator seeded `seed + prompt index`. Warm-up runs (first prompt, up to 16 tokens) are
+    not recorded. Returns (vanilla, one MethodResult per shape)."""
+
+    def generator(i: int) -> torch.Generator:
+        return torch.Generator(device=model.device).manual_seed(seed + i)
+
+    def run(shape: DraftShape | None, prompt: Prompt, new_tokens: int, i: int) -> Generation:
+        if shape is None:
+            return vanilla_generate(model, prompt.ids, new_tokens, stop_ids, temperature, generator(i))
+        return speculative_generate(model, drafter, prompt.ids, shape, new_tokens, stop_ids, temperature,
+                                    generator(i))
+
+    for _ in range(warmup):
+        for shape in [None, *shapes]:
+            run(shape, prompts[0], min(16, max_new_tokens), 0)
+    vanilla = MethodResult("vanilla", None, [])
+    methods = [MethodResult(s.spec, s, []) for s in shapes]
+    for i, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+        vanilla.generations.append(run(None, prompt, max_new_tokens, i))
+        for method in methods:
+            method.generations.append(run(method.shape, prompt, max_new_tokens, i))
+    return vanilla, methods
+
+
+def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
+    """The drafter of a `hstap train` run directory, checked against the target and placed on its device."""
+    drafter = Eagle3Drafter.from_pretrained(run_dir, target_model=target.model)
+    cfg = drafter.config
+    if cfg.target_fingerprint != target.fingerprint:
+        raise HstapError(f"{run_dir} was trained against {cfg.target_model_id} (fingerprint "
+                         f"{cfg.target_fingerprint}); the target loaded has fingerprint {target.fingerprint}: "
+                         "pass the --model it was trained for")
+    if cfg.vocab_size != target.model.config.vocab_size or max(cfg.aux_layer_ids) >= target.num_layers:
+        raise HstapError(f"{run_dir}: drafter expects vocab {cfg.vocab_size} and layers {cfg.aux_layer_ids}, "
+                         f"the target has vocab {target.model.config.vocab_size} and {target.num_layers} layers")
+    return drafter.to(device=target.model.device, dtype=target.model.dtype).eval()
+
+
+def run_eval(cfg: EvalConfig, progress: bool = True) -> EvalResult:
+    """Load target + drafter, measure vanilla and every shape on the prompts, write the report."""
+    from hstap.evaluate.report import write_report
+    from hstap.models import load_target
+
+    target = load_target(cfg.model, device=cfg.device)
+    drafter = load_drafter(cfg.drafter, target)
+    prompts = load_prompts(cfg.bench, target.tokenizer, cfg.limit)
+    shapes = [DraftShape.parse(s) for s in cfg.shapes]
+    vanilla, methods = evaluate_shapes(target.model, drafter, prompts, shapes, cfg.max_new_tokens,
+                                       stop_ids_of(target.model, target.tokenizer), cfg.temperature, cfg.seed,
+                                       cfg.warmup, progress)
+    result = EvalResult(config=cfg.model_dump(mode="json"),
+                        target={"model_id": target.model_id, "fingerprint": target.fingerprint,
+                                "device": str(target.model.device), "dtype": str(target.model.dtype).removeprefix(
+                                    "torch."), "torch_threads": torch.get_num_threads()},
+                        prompts=prompts, vanilla=vanilla, methods=methods)
+    result.out_dir = Path(cfg.out or cfg.drafter)
+    result.files = write_report(result.to_dict(), result.out_dir)
+    return result

@@ -1,0 +1,92 @@
+"""`run_eval` and `hstap eval`: vanilla and speculative measured in one run, report files, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from hstap.cli import main
+from hstap.errors import HstapError
+from hstap.evaluate.run import EvalConfig, evaluate_shapes, load_prompts, run_eval
+from hstap.evaluate.tree import DraftShape
+
+
+@pytest.fixture
+def run_dir(drafter, target, tmp_path, monkeypatch):
+    """A drafter run directory as `hstap train` writes it (no embedding), and the session target reused."""
+    out = tmp_path / "drafter"
+    drafter.save_pretrained(out, include_embedding=False)
+    monkeypatch.setattr("hstap.models.load_target", lambda model, device="cpu": target)
+    return out
+
+
+def test_run_eval_writes_report_into_the_run_directory(run_dir):
+    cfg = EvalConfig(drafter=run_dir, limit=2, shapes=["chain:2", "tree:3,2,4"], max_new_tokens=8)
+    result = run_eval(cfg, progress=False)
+    names = sorted(p.name for p in result.files)
+    assert names == ["acceptance_per_position.png", "report.json", "report.md", "tau_distribution.png"]
+    assert all(p.parent == run_dir and p.stat().st_size > 0 for p in result.files)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["prompts"] == 2 and len(report["per_prompt"]) == 2
+    assert [s["shape"] for s in report["shapes"]] == ["chain:2", "tree:3,2,4"]
+    for s in report["shapes"]:
+        assert s["greedy_matches_vanilla"] == 2
+        assert 1.0 <= s["tau"] <= DraftShape.parse(s["shape"]).depth + 1
+        assert len(s["acceptance_per_position"]) == DraftShape.parse(s["shape"]).depth
+        assert s["speedup"] > 0 and s["tokens_per_second"] > 0
+        assert sum(s["tokens_per_forward_histogram"].values()) == s["verify_forwards"]
+    assert report["per_prompt"][0]["vanilla"]["tokens"] == 8
+    md = (run_dir / "report.md").read_text()
+    assert "![acceptance_per_position.png]" in md and "tree depth 3, top-2, 4 nodes" in md
+    assert "identical to vanilla on 2/2" in result.summary()
+
+
+def test_sampling_runs_on_the_real_target(target, drafter, prompts, stop_ids):
+    shapes = [DraftShape.parse("chain:2"), DraftShape.parse("tree:3,2,4")]
+    args = (target.model, drafter, prompts[:1], shapes, 8, stop_ids, 0.8, 0, 0, False)
+    vanilla, methods = evaluate_shapes(*args)
+    again = evaluate_shapes(*args)[1]
+    for m, m2 in zip(methods, again):
+        assert len(m.generations[0].tokens) == len(vanilla.generations[0].tokens) == 8
+        assert m.generations[0].tokens == m2.generations[0].tokens  # seeded: reproducible
+
+
+def test_prompts_are_first_user_turns(tokenizer, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    path.write_text(json.dumps({"id": "a", "messages": msgs}) + "\n")
+    (prompt,) = load_prompts(f"jsonl:{path}", tokenizer)
+    text = tokenizer.decode(prompt.ids)
+    assert "Be brief." in text and "Hi" in text and "Hello" not in text and text.endswith("assistant\n")
+    mt = load_prompts("mt-bench", tokenizer, limit=1)[0]
+    assert mt.id == "mt-bench-81" and "Hawaii" in tokenizer.decode(mt.ids)
+
+
+def test_cli_json_and_plan(run_dir, capsys):
+    assert main(["eval", "--drafter", str(run_dir), "--limit", "1", "--max-new-tokens", "4", "--chain", "2",
+                 "--warmup", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shapes"][0]["shape"] == "chain:2" and report["config"]["bench"] == "mt-bench"
+    assert main(["eval", "--drafter", str(run_dir), "--tree", "8,8,60", "--chain", "3", "--plan"]) == 0
+    assert json.loads(capsys.readouterr().out)["shapes"] == ["chain:3", "tree:8,8,60"]
+
+
+def test_cli_errors_are_one_line(run_dir, capsys):
+    assert main(["eval", "--drafter", str(run_dir), "--tree", "2,2,9", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tree:DEPTH,TOPK,NODES" in err
+    with pytest.raises(ValidationError):
+        EvalConfig(drafter=run_dir, max_new_tokens=1)
+    with pytest.raises(ValidationError):
+        EvalConfig(drafter=run_dir, bogus=1)
+
+
+def test_drafter_for_another_target_is_refused(run_dir):
+    cfg_path = run_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "target_fingerprint": "0000"}))
+    with pytest.raises(HstapError, match="fingerprint 0000"):
+        run_eval(EvalConfig(drafter=run_dir, limit=1), progress=False)
