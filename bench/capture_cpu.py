@@ -1,6 +1,6 @@
 """Prefill throughput with and without the tap, side by side in one run, on the CPU.
 
-    .venv/bin/python bench/capture_cpu.py [--samples 64] [--batch-tokens 4096] [--reps 3]
+    .venv/bin/python bench/capture_cpu.py [--samples 64] [--batch-tokens 4096] [--reps 3] [--threads N]
 
 Runs real ShareGPT conversations through SmolLM2 (fp32) in identical padded batches, alternating plain prefill
 and tapped prefill (3 layers + top-32 teacher, bf16 storage, writer thread handing samples to a sink that keeps
@@ -29,7 +29,10 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cfg = CaptureConfig(out="/dev/null", limit=args.samples, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens)
     target = load_target("smollm2")
