@@ -15,7 +15,6 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -209,7 +208,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log.write({"kind": "eval", "epoch": 0, "step": 0, **initial})
     state.initial_heldout = initial
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")  # as in heldout.py
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
     start, tokens_this_run = time.perf_counter(), 0
     last_eval = initial
@@ -255,14 +254,6 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         plot_metrics(out / "metrics.jsonl", out)
     dist.barrier()
     return TrainResult(out, state.step, state.train_tokens, time.perf_counter() - start, last_eval, initial, drafter)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def load_metrics(path: Path) -> list[dict]:
