@@ -7,7 +7,8 @@
 3. train   — the EAGLE-3 drafter from the store (training-time test, held-out τ estimate)
 4. eval    — speculative decoding on MT-bench against vanilla decoding, same backend, same run: τ and speedup
 5. export  — an SGLang/vLLM-loadable EAGLE-3 draft checkpoint
-Each stage resumes or reuses what an earlier run of the same preset left in `--out`.
+Each stage resumes or reuses what an earlier run of the same preset left in `--out`; `--stages` picks a subset.
+The gpu preset trains online (stage 2 skipped) within a fixed time budget.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hstap.errors import HstapError
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Preset:
     eval_new_tokens: int
     shapes: tuple[str, ...]
     device: str
+    online: bool = False  # train with the target in-process instead of capturing a store first
+    train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
 
 
 PRESETS = {
@@ -46,17 +51,23 @@ PRESETS = {
     "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
                     ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
                     eval_new_tokens=12, shapes=("chain:2",), device="cpu"),
-    # one H200: every stage scaled up
-    "gpu": Preset(prompts=4000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=3,
-                  ttt_steps=7, draft_vocab=32000, lr=1e-3, batch_tokens=16384, eval_questions=80,
-                  eval_new_tokens=256, shapes=("chain:3", "tree:8,8,60"), device="cuda"),
+    # one H200: every ShareGPT prompt regenerated, online training fitted into 7 minutes (a store of these states
+    # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch)
+    "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=40,
+                  ttt_steps=7, draft_vocab=16384, lr=2e-3, batch_tokens=16384, eval_questions=80,
+                  eval_new_tokens=256, shapes=("chain:3", "tree:8,8,60"), device="cuda", online=True,
+                  train_budget_s=420),
 }
+STAGES = ("synth", "capture", "train", "eval", "export")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="the main job on the embedded default: synth → capture → train → eval → export")
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help="comma-separated subset of synth,capture,train,eval,export; the others reuse what an "
+                        "earlier run left in --out")
 
 
 def short_prompts(out: Path, count: int, max_chars: int) -> tuple[Path, int]:
@@ -89,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from hstap.train.run import TrainConfig, run_train
 
     p, out = PRESETS[args.preset], Path(args.out)
+    stages = [name.strip() for name in args.stages.split(",") if name.strip()]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown or not stages:
+        raise HstapError(f"--stages {args.stages!r}: expected a comma-separated subset of {','.join(STAGES)}")
     timings: dict[str, float] = {}
 
     def stage(name: str):
@@ -98,62 +113,73 @@ def run(args: argparse.Namespace) -> int:
     def done(name: str) -> None:
         timings[name] = time.perf_counter() - timings[name]
 
-    stage("synth")
     prompts, n = short_prompts(out, p.prompts, p.prompt_chars)
-    synth_out = out / "synth.jsonl"
-    synth = run_synth(SynthConfig(model="smollm2", data=f"jsonl:{prompts}", out=synth_out, max_new_tokens=p.new_tokens,
-                                  batch_size=p.synth_batch, device=p.device))
-    print(synth.summary())
-    done("synth")
+    synth_out, store, drafter = out / "synth.jsonl", out / "store", out / "drafter"
+    trained = evaluated = exported = None
+    if "synth" in stages:
+        stage("synth")
+        synth = run_synth(SynthConfig(model="smollm2", data=f"jsonl:{prompts}", out=synth_out,
+                                      max_new_tokens=p.new_tokens, batch_size=p.synth_batch, device=p.device))
+        print(synth.summary())
+        done("synth")
 
-    stage("capture")
-    store = out / "store"
-    cap = run_capture(CaptureConfig(data=f"jsonl:{synth_out}", out=store, max_tokens=p.max_tokens,
-                                    device=p.device, batch_tokens=max(p.batch_tokens, 4096)))
-    print(cap.summary())
-    done("capture")
+    if "capture" in stages and p.online:
+        print("\n── capture: online preset — the target runs inside training, nothing is stored", flush=True)
+    elif "capture" in stages:
+        stage("capture")
+        cap = run_capture(CaptureConfig(data=f"jsonl:{synth_out}", out=store, max_tokens=p.max_tokens,
+                                        device=p.device, batch_tokens=max(p.batch_tokens, 4096)))
+        print(cap.summary())
+        done("capture")
 
-    stage("train")
-    drafter = out / "drafter"
-    trained = run_train(TrainConfig(store=store, out=drafter, epochs=p.epochs, ttt_steps=p.ttt_steps,
-                                    draft_vocab=p.draft_vocab, lr=p.lr, batch_tokens=p.batch_tokens,
-                                    device=p.device, heldout=0.05))
-    print(trained.summary())
-    done("train")
+    if "train" in stages:
+        stage("train")
+        source = dict(online=True, data=f"jsonl:{synth_out}", max_tokens=p.max_tokens) if p.online else \
+            dict(store=store)
+        trained = run_train(TrainConfig(**source, out=drafter, epochs=p.epochs, ttt_steps=p.ttt_steps,
+                                        draft_vocab=p.draft_vocab, lr=p.lr, batch_tokens=p.batch_tokens,
+                                        device=p.device, heldout=0.05, time_budget_s=p.train_budget_s))
+        print(trained.summary())
+        done("train")
 
-    stage("eval")
-    evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions,
-                                    shapes=list(p.shapes), max_new_tokens=p.eval_new_tokens, device=p.device))
-    print(evaluated.summary())
-    done("eval")
+    if "eval" in stages:
+        stage("eval")
+        evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions,
+                                        shapes=list(p.shapes), max_new_tokens=p.eval_new_tokens, device=p.device))
+        print(evaluated.summary())
+        done("eval")
 
-    stage("export")
-    exported = export_drafter(drafter, "sglang", out / "export-sglang", force=True)
-    done("export")
+    if "export" in stages:
+        stage("export")
+        exported = export_drafter(drafter, "sglang", out / "export-sglang", force=True)
+        done("export")
 
     _final_table(p, n, trained, evaluated, exported, timings, out)
     return 0
 
 
-def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path, timings: dict, out: Path) -> None:
+def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path | None, timings: dict,
+                 out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"hstap demo — SmolLM2-135M-Instruct, {prompts} regenerated ShareGPT answers")
     for col in ("what", "value", "where"):
         table.add_column(col)
-    h0, h1 = trained.initial_heldout, trained.heldout
+    h0, h1 = (trained.initial_heldout, trained.heldout) if trained else ({}, {})
     if "acc" in h0 and "acc" in h1:  # a held-out split exists (tiny runs may hold out nothing)
         table.add_row("held-out step-0 top-1", f"{h0['acc'][0]:.3f} → {h1['acc'][0]:.3f} (untrained → trained)",
                       str(trained.out / "accuracy.png"))
-    for m in evaluated.methods:
+    for m in evaluated.methods if evaluated else []:
         table.add_row(f"τ, {m.shape.label}", f"{m.tau:.2f} ({len(evaluated.prompts)} MT-bench questions, greedy)",
                       str(evaluated.files[0].parent / "report.md"))
         table.add_row(f"speedup, {m.shape.label}",
                       f"{evaluated.speedup(m):.2f}× ({m.tokens_per_second:.1f} vs "
                       f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla)", "")
-    table.add_row("drafter", f"{trained.steps} steps, {trained.train_tokens} tokens", str(trained.out))
-    table.add_row("SGLang/vLLM export", "LlamaForCausalLMEagle3", str(exported))
+    if trained:
+        table.add_row("drafter", f"{trained.steps} steps, {trained.train_tokens} tokens", str(trained.out))
+    if exported:
+        table.add_row("SGLang/vLLM export", "LlamaForCausalLMEagle3", str(exported))
     table.add_row("time", " · ".join(f"{k} {v:.0f}s" for k, v in timings.items()) +
                   f" · total {sum(timings.values()):.0f}s", str(out))
     Console().print(table)

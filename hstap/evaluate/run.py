@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -160,11 +161,15 @@ def load_prompts(bench: str, tokenizer, limit: int | None = None) -> list[Prompt
 
 def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter, prompts: list[Prompt],
                     shapes: list[DraftShape], max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
-                    seed: int = 0, warmup: int = 1, progress: bool = True) -> tuple[MethodResult, list[MethodResult]]:
+                    seed: int = 0, warmup: int = 1, progress: bool = True,
+                    on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None,
+                    ) -> tuple[MethodResult, list[MethodResult]]:
     """Vanilla decoding and every draft shape on every prompt, interleaved prompt by prompt.
 
     Each method gets a generator seeded `seed + prompt index`. Warm-up runs (first prompt, up to 16 tokens) are
-    not recorded. Returns (vanilla, one MethodResult per shape)."""
+    not recorded. `on_prompt(prompt, {method name: generation})` sees each prompt's results as they complete (a
+    long benchmark logs them, so a run cut short still has its finished prompts). Returns (vanilla, one
+    MethodResult per shape)."""
 
     def generator(i: int) -> torch.Generator:
         return torch.Generator(device=model.device).manual_seed(seed + i)
@@ -184,6 +189,8 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter, prompts: lis
         vanilla.generations.append(run(None, prompt, max_new_tokens, i))
         for method in methods:
             method.generations.append(run(method.shape, prompt, max_new_tokens, i))
+        if on_prompt is not None:
+            on_prompt(prompt, {m.name: m.generations[-1] for m in [vanilla, *methods]})
     return vanilla, methods
 
 
@@ -201,7 +208,8 @@ def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
     return drafter.to(device=target.model.device, dtype=target.model.dtype).eval()
 
 
-def run_eval(cfg: EvalConfig, progress: bool = True) -> EvalResult:
+def run_eval(cfg: EvalConfig, progress: bool = True,
+             on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None) -> EvalResult:
     """Load target + drafter, measure vanilla and every shape on the prompts, write the report."""
     from hstap.evaluate.report import write_report
     from hstap.models import load_target
@@ -212,7 +220,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> EvalResult:
     shapes = [DraftShape.parse(s) for s in cfg.shapes]
     vanilla, methods = evaluate_shapes(target.model, drafter, prompts, shapes, cfg.max_new_tokens,
                                        stop_ids_of(target.model, target.tokenizer), cfg.temperature, cfg.seed,
-                                       cfg.warmup, progress)
+                                       cfg.warmup, progress, on_prompt)
     result = EvalResult(config=cfg.model_dump(mode="json"),
                         target={"model_id": target.model_id, "fingerprint": target.fingerprint,
                                 "device": str(target.model.device), "dtype": str(target.model.dtype).removeprefix(

@@ -27,8 +27,19 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--time-budget", dest="time_budget_s", type=_duration, default=None,
+                   help="fit the run (schedule included) into this wall time: 90s, 8m, 1h")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint exactly")
     p.add_argument("--plan", action="store_true", help="print the resolved config and exit")
+
+
+def _duration(text: str) -> float:
+    """'90', '90s', '8m', '1.5h' → seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 8m or 1h, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:

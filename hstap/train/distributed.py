@@ -31,6 +31,14 @@ class Dist:
         if self.enabled:
             tdist.barrier()
 
+    def agree_max(self, value: float) -> float:
+        """The largest `value` over ranks: a decision every rank must take identically (e.g. when to stop)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t)
+
 
 def setup(device: str) -> Dist:
     """Join the process group torchrun set up, if any; pick this rank's device."""

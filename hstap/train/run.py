@@ -54,6 +54,7 @@ class TrainConfig(BaseModel):
     device: str = "cpu"
     checkpoint_every: int = Field(default=200, ge=1)
     max_steps: int | None = Field(default=None, ge=1)
+    time_budget_s: float | None = Field(default=None, gt=0)  # shorten the run to fit (see fit_to_budget)
     resume: bool = False
 
 
@@ -146,17 +147,53 @@ def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: li
     return drafter
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float):
-    """Linear warmup, then cosine to zero."""
-    warmup = max(1, int(total_steps * warmup_ratio))
+class WarmupCosine:
+    """Linear warmup, then cosine to zero at `total` steps.
 
-    def f(step: int) -> float:
+    A callable object rather than a closure because LambdaLR checkpoints an object's attributes: a run fitted
+    to a time budget resumes with the fitted schedule, not a new fit."""
+
+    def __init__(self, total: int, warmup_ratio: float):
+        self.total = total
+        self.warmup_ratio = warmup_ratio
+        self.fitted = False  # the time budget has been applied
+
+    def __call__(self, step: int) -> float:
+        warmup = max(1, int(self.total * self.warmup_ratio))
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
+        progress = (step - warmup) / max(1, self.total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return f
+
+PROBE_SKIP, PROBE_STEPS = 3, 10  # steps ignored (allocator, kernels warming up), then steps timed
+
+
+def seconds_per_step(model: torch.nn.Module, source: SampleSource, batches: list[list[int]], layer_ids: list[int],
+                     device: torch.device, autocast) -> float:
+    """Wall time of one training step (fetch, forward, backward) on the first batches of the plan, measured before
+    training so the schedule is fitted before step 1. No optimizer step: weights and optimizer state stay as
+    they are, and the measured batches are trained on again in order."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timed_from = 0.0
+    for n, indices in enumerate((batches * (PROBE_SKIP + PROBE_STEPS))[:PROBE_SKIP + PROBE_STEPS]):
+        if n == PROBE_SKIP:
+            sync()
+            timed_from = time.perf_counter()
+        batch = collate(source.fetch(indices), layer_ids).to(device)
+        with autocast:
+            loss = model(*batch_tensors(batch))[0]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    sync()
+    return (time.perf_counter() - timed_from) / PROBE_STEPS
+
+
+def fit_to_budget(total: int, step: int, seconds_per_step: float, seconds_left: float) -> int:
+    """The step count that ends the run about when the budget does. The LR schedule is fitted to it before step 1,
+    so a budgeted run warms up and decays fully instead of being cut off mid-schedule. Held-out evaluations at
+    epoch ends come on top of the estimate."""
+    return max(step + 1, min(total, step + int(seconds_left / seconds_per_step)))
 
 
 def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
@@ -186,7 +223,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     steps_per_epoch = len(plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, 0, dist.world_size)) \
         // dist.world_size
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, cfg.warmup_ratio))
+    schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
 
     out = Path(cfg.out)
@@ -209,8 +247,19 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     state.initial_heldout = initial
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")  # as in heldout.py
+    total_steps = schedule.total  # a resumed budgeted run keeps the schedule it was fitted to
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
     start, tokens_this_run = time.perf_counter(), 0
+    if cfg.time_budget_s and not schedule.fitted:
+        plan = plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, state.epoch, dist.world_size)
+        per_step = dist.agree_max(seconds_per_step(model, source, plan[dist.rank::dist.world_size], layer_ids,
+                                                   device, autocast))  # every rank stops at the same step
+        schedule.total = total_steps = fit_to_budget(total_steps, state.step, per_step,
+                                                     cfg.time_budget_s - (time.perf_counter() - start))
+        schedule.fitted = True
+        bar.total = total_steps
+        bar.refresh()
+        log.write({"kind": "budget", "step": state.step, "seconds_per_step": per_step, "total_steps": total_steps})
     last_eval = initial
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, state.epoch, dist.world_size)

@@ -137,3 +137,33 @@ def test_empty_store_and_resume_layer_mismatch(train_store, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg_json))
     with pytest.raises(HstapError, match=r"aux_layer_ids=\[2, 14, 26\]"):
         run_train(TrainConfig(store=train_store, out=out, resume=True, **FAST), progress=False)
+
+
+def test_time_budget_rescales_the_schedule_and_resumes_with_it(train_store, tmp_path, monkeypatch):
+    """A fake clock (one second per batch fetched): the probe fits the run to the budget before step 1, the
+    schedule warms up and reaches zero at the fitted end, and a resumed run keeps the fitted schedule."""
+    import hstap.train.run as run_module
+    from hstap.train.run import PROBE_SKIP, PROBE_STEPS
+
+    clock = {"t": 0.0}
+    real_collate = run_module.collate
+
+    def collate_tick(*args, **kw):
+        clock["t"] += 1.0
+        return real_collate(*args, **kw)
+
+    monkeypatch.setattr(run_module, "collate", collate_tick)
+    monkeypatch.setattr(run_module.time, "perf_counter", lambda: clock["t"])
+    budget = PROBE_SKIP + PROBE_STEPS + 40  # the probe's batches, then 40 one-second steps
+    cfg = TrainConfig(store=train_store, out=tmp_path / "run", epochs=50, batch_tokens=512, time_budget_s=budget,
+                      checkpoint_every=1000, **FAST)
+    result = run_train(cfg, progress=False)
+    records = load_metrics(tmp_path / "run" / "metrics.jsonl")
+    fitted = [r for r in records if r["kind"] == "budget"]
+    assert len(fitted) == 1 and fitted[0]["seconds_per_step"] == 1.0 and fitted[0]["total_steps"] == 40
+    assert result.steps == 40
+    lrs = [r["lr"] for r in records if r["kind"] == "train"]
+    assert lrs[-1] == 0.0 and max(lrs) == pytest.approx(cfg.lr)  # warmed up and decayed fully
+
+    more = cfg.model_copy(update={"resume": True})  # the checkpoint holds the fitted total: nothing left to do
+    assert run_train(more, progress=False).steps == 40
