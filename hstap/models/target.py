@@ -58,12 +58,27 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+VOLATILE_KEYS = {"transformers_version"}  # and every key starting with "_" (e.g. `_name_or_path`, the install path)
+
+
+def _canonical_json(data: bytes) -> bytes:
+    """A JSON file without what differs between installs of the same model, so the fingerprint travels."""
+    obj = json.loads(data)
+    if isinstance(obj, dict):
+        obj = {k: v for k, v in obj.items() if not k.startswith("_") and k not in VOLATILE_KEYS}
+    return json.dumps(obj, sort_keys=True).encode()
+
+
 def _fingerprint_dir(path: Path) -> str:
-    """sha256 over config.json and every weight file's size and first/last MiB: cheap yet weight-sensitive."""
+    """sha256 over the JSON files (canonical: install paths and library versions dropped) and every weight file's
+    size and first/last MiB: cheap, weight-sensitive, and equal on every machine that holds the same model."""
     h = hashlib.sha256()
     files = sorted(p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file())
     for p in files:
         h.update(p.name.encode())
+        if p.suffix == ".json":
+            h.update(_canonical_json(p.read_bytes()))
+            continue
         size = p.stat().st_size
         h.update(str(size).encode())
         with open(p, "rb") as f:
