@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import torch
 
 
 def add_parser(sub) -> None:
@@ -34,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         print(cfg.model_dump_json(indent=2))
         return 0
     result = run_capture(cfg)
-    print(result.summary())
-    print(format_info(store_info(cfg.out)))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 holds the store
+        print(result.summary())
+        print(format_info(store_info(cfg.out)))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 1 if result.tap_report.errors else 0

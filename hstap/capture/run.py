@@ -1,12 +1,16 @@
 """`hstap capture`: render conversations, prefill them through the embedded target with the tap on, store the result.
 
     hstap capture --model smollm2 --data sharegpt --limit 200 --out runs/cap --layers auto --dtype bf16
+    torchrun --nproc_per_node 2 -m hstap.cli capture --model DIR --out runs/cap      # tensor-parallel target
 
 Re-running the same command on the same `--out` resumes: committed samples are skipped, nothing is duplicated.
+Under torchrun the target is split over the ranks (transformers' tensor-parallel plan); every rank runs the same
+forwards, and only rank 0 taps and writes: the residual stream is whole on every rank, so one copy is enough.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,11 +132,16 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     samples = render_all(cfg, load_tokenizer(cfg.model), report)
     if not samples:
         raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
-    target = load_target(cfg.model, device=cfg.device)
+    parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
     layer_ids = parse_layers(cfg.layers, target.num_layers)
+    if parallel and torch.distributed.get_rank() != 0:
+        return _follow_rank0(target, samples, cfg, report)
     meta = capture_meta(target, layer_ids, cfg, teacher)
     with StoreWriter(cfg.out, meta, shard_bytes=int(cfg.shard_mb * 2**20)) as writer:
         todo = [s for s in samples if s.id not in writer.committed_ids]
+        if parallel:  # the other ranks run exactly these forwards
+            torch.distributed.broadcast_object_list([[s.id for s in todo]], src=0)
         tokens = sum(len(s.input_ids) for s in todo)
         per_token = _bytes_per_token(layer_ids, target.hidden_size, cfg.dtype, teacher)
         print(f"hstap capture: {len(todo)} samples, {tokens} tokens to go; estimated disk use "
@@ -146,6 +155,23 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     return CaptureResult(out=cfg.out, captured=tap_report.samples_written, skipped_committed=len(samples) - len(todo),
                          tokens=tokens, seconds=seconds, data_report=report, tap_report=tap_report,
                          cleaned=list(writer.cleaned))
+
+
+def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, report: SkipReport) -> CaptureResult:
+    """A tensor-parallel rank other than 0: the same forwards as rank 0 (its collectives need them), no tap, no
+    store. It never waits on the tap: rank 0's tap copies asynchronously and adds no collective."""
+    todo_ids = [None]
+    torch.distributed.broadcast_object_list(todo_ids, src=0)
+    wanted = set(todo_ids[0])
+    todo = [s for s in samples if s.id in wanted]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in make_batches(todo, cfg.batch_tokens):
+            inputs, _ = _to_model_inputs(batch, target.tokenizer.pad_token_id, cfg.device)
+            target.model(**inputs, use_cache=False)
+    return CaptureResult(out=cfg.out, captured=0, skipped_committed=len(samples) - len(todo),
+                         tokens=sum(len(s.input_ids) for s in todo), seconds=time.perf_counter() - start,
+                         data_report=report, tap_report=TapReport(), cleaned=[])
 
 
 def _prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec,

@@ -165,13 +165,20 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = None) -> Target:
-    """Load the target in eval mode; fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise."""
+def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = None,
+                tensor_parallel: bool = False) -> Target:
+    """Load the target in eval mode; fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise.
+
+    `tensor_parallel`: under torchrun, split it over the ranks with transformers' own plan (`tp_plan="auto"`:
+    attention heads and MLP columns; the residual stream and the logits come out whole on every rank)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     path, model_id = resolve_model_dir(model)
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if tensor_parallel:
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
+    else:
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return Target(model=net, tokenizer=load_tokenizer(model), model_id=model_id, fingerprint=_fingerprint_dir(path))

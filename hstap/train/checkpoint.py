@@ -23,7 +23,8 @@ CKPT = "checkpoint"
 class State:
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps taken in this epoch (each consumes batches_per_step plan batches)
+    batches_per_step: int = 1  # ranks × grad_accum: a resumed run must take the same (any split of it)
     train_tokens: int = 0
     initial_heldout: dict = field(default_factory=dict)
 
@@ -87,4 +88,8 @@ def load(out: Path, drafter, optimizer, scheduler) -> State:
     if cut.exists() and metrics.exists():
         with open(metrics, "r+") as f:
             f.truncate(int(cut.read_text()))
+    known = set(State.__dataclass_fields__)
+    if set(blob["state"]) - known:
+        raise HstapError(f"{path}: checkpoint written by an older hstap (state fields {sorted(blob['state'])}); "
+                         f"it cannot be resumed: start the run again without --resume")
     return State(**blob["state"])

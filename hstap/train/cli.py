@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-ratio", type=float, default=0.05)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (per rank)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="batches per rank per optimizer step (global batch = ranks × this × --batch-tokens)")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default min(32000, V))")
     p.add_argument("--heldout", type=float, default=0.05, help="fraction of samples held out for evaluation")

@@ -3,6 +3,7 @@ NCCL on GPUs, gloo on CPUs — and every rank trains on its own slice of the bat
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -31,13 +32,29 @@ class Dist:
         if self.enabled:
             tdist.barrier()
 
-    def agree_max(self, value: float) -> float:
-        """The largest `value` over ranks: a decision every rank must take identically (e.g. when to stop)."""
+    def no_sync(self, model: nn.Module, last: bool):
+        """DDP's gradient all-reduce only on the last batch of an accumulated step."""
+        if self.enabled and not last:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def mean(self, value: float) -> float:
+        """`value` averaged over ranks (for logging a global loss)."""
+        return self._reduce(value, tdist.ReduceOp.SUM) / self.world_size
+
+    def sum(self, value: float) -> float:
+        return self._reduce(value, tdist.ReduceOp.SUM)
+
+    def _reduce(self, value: float, op) -> float:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(t, op=op)
         return float(t)
+
+    def agree_max(self, value: float) -> float:
+        """The largest `value` over ranks: a decision every rank must take identically (e.g. when to stop)."""
+        return self._reduce(value, tdist.ReduceOp.MAX)
 
 
 def setup(device: str) -> Dist:

@@ -46,6 +46,7 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=0.5, gt=0)
     batch_tokens: int = Field(default=4096, gt=0)
+    grad_accum: int = Field(default=1, ge=1)  # batches per rank per optimizer step
     ttt_steps: int = Field(default=7, ge=1)
     decay: float = Field(default=0.8, gt=0, le=1)
     draft_vocab: int | None = Field(default=None, ge=1)
@@ -220,17 +221,25 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = len(plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, 0, dist.world_size)) \
-        // dist.world_size
+    per_step = dist.world_size * cfg.grad_accum  # batches in one optimizer step, all ranks together
+
+    def epoch_plan(epoch: int) -> list[list[int]]:
+        return plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, epoch, per_step)
+
+    steps_per_epoch = len(epoch_plan(0)) // per_step
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
 
     out = Path(cfg.out)
-    state = checkpoint.State()
+    state = checkpoint.State(batches_per_step=per_step)
     if cfg.resume:
         state = checkpoint.load(out, drafter, optimizer, scheduler)
+        if state.batches_per_step != per_step:
+            raise HstapError(f"--resume: the checkpoint in {out} took {state.batches_per_step} batches per step "
+                             f"(ranks × --grad-accum), this run takes {per_step} ({dist.world_size} × "
+                             f"{cfg.grad_accum}): set --grad-accum so the global batch is the same")
     elif dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
@@ -251,43 +260,40 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
     start, tokens_this_run = time.perf_counter(), 0
     if cfg.time_budget_s and not schedule.fitted:
-        plan = plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, state.epoch, dist.world_size)
-        per_step = dist.agree_max(seconds_per_step(model, source, plan[dist.rank::dist.world_size], layer_ids,
-                                                   device, autocast))  # every rank stops at the same step
-        schedule.total = total_steps = fit_to_budget(total_steps, state.step, per_step,
+        mine = epoch_plan(state.epoch)[dist.rank::dist.world_size]
+        seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast))
+        schedule.total = total_steps = fit_to_budget(total_steps, state.step, seconds,
                                                      cfg.time_budget_s - (time.perf_counter() - start))
-        schedule.fitted = True
+        schedule.fitted = True  # every rank agreed on the same per-step time, so they stop at the same step
         bar.total = total_steps
         bar.refresh()
-        log.write({"kind": "budget", "step": state.step, "seconds_per_step": per_step, "total_steps": total_steps})
+        log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps})
     last_eval = initial
     while state.step < total_steps and state.epoch < cfg.epochs:
-        plan = plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, state.epoch, dist.world_size)
-        mine = plan[dist.rank::dist.world_size]
-        while state.batch_in_epoch < len(mine) and state.step < total_steps:
-            batch = collate(source.fetch(mine[state.batch_in_epoch]), layer_ids).to(device)
-            with autocast:
-                loss, stats, _, _ = model(*batch_tensors(batch))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+        plan = epoch_plan(state.epoch)
+        while state.step_in_epoch < len(plan) // per_step and state.step < total_steps:
+            first = state.step_in_epoch * per_step  # this step's batches: plan[first + a * world + rank]
+            mine = [plan[first + a * dist.world_size + dist.rank] for a in range(cfg.grad_accum)]
+            loss, step_losses, tokens = _accumulate(model, source, mine, layer_ids, device, autocast, dist)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             state.step += 1
-            state.batch_in_epoch += 1
-            state.train_tokens += batch.num_tokens * dist.world_size
-            tokens_this_run += batch.num_tokens * dist.world_size
+            state.step_in_epoch += 1
+            state.train_tokens += tokens
+            tokens_this_run += tokens
             rate = tokens_per_second(tokens_this_run, time.perf_counter() - start)
-            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": float(loss.detach()),
-                       "step_losses": stats[0].tolist(), "lr": scheduler.get_last_lr()[0],
+            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": loss,
+                       "step_losses": step_losses, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": grad_norm, "tokens_per_s": rate})
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
             if state.step % cfg.checkpoint_every == 0:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
-        if state.batch_in_epoch >= len(mine):
+        if state.step_in_epoch >= len(plan) // per_step:
             state.epoch += 1
-            state.batch_in_epoch = 0
+            state.step_in_epoch = 0
             if dist.rank == 0:
                 last_eval = heldout_eval()
                 log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **last_eval})
@@ -303,6 +309,25 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         plot_metrics(out / "metrics.jsonl", out)
     dist.barrier()
     return TrainResult(out, state.step, state.train_tokens, time.perf_counter() - start, last_eval, initial, drafter)
+
+
+def _accumulate(model: torch.nn.Module, source: SampleSource, batches: list[list[int]], layer_ids: list[int],
+                device: torch.device, autocast, dist: distributed.Dist) -> tuple[float, list[float], int]:
+    """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP
+    syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
+    Returns (loss averaged over all ranks' batches, this rank's per-TTT-step losses, tokens over all ranks)."""
+    losses, step_losses, tokens = [], [], 0
+    for i, indices in enumerate(batches):
+        batch = collate(source.fetch(indices), layer_ids).to(device)
+        with dist.no_sync(model, last=i == len(batches) - 1):
+            with autocast:
+                loss, stats, _, _ = model(*batch_tensors(batch))
+            (loss / len(batches)).backward()
+        losses.append(float(loss.detach()))
+        step_losses.append(stats[0])
+        tokens += batch.num_tokens
+    mean_steps = torch.stack(step_losses).mean(0).tolist()
+    return dist.mean(sum(losses) / len(losses)), mean_steps, int(dist.sum(tokens))
 
 
 def load_metrics(path: Path) -> list[dict]:

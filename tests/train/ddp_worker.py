@@ -1,14 +1,32 @@
-"""Run by torchrun in test_ddp.py: train one step, then save this rank's weights for comparison."""
+"""Run by torchrun in test_ddp.py: train with DDP, then save this rank's weights for comparison.
+
+    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER]]
+
+STOP_AFTER: both ranks leave cleanly right after the checkpoint of that step (a preempted job)."""
 
 import sys
 from pathlib import Path
 
 import torch
 
+import hstap.train.run as run_module
 from hstap.train.run import TrainConfig, run_train
 
 store, out, dump = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-cfg = TrainConfig(store=store, out=out, max_steps=1, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05)
+max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
+if stop_after:
+    real_save = run_module.checkpoint.save
+
+    def save_then_stop(out_dir, drafter, optimizer, scheduler, state, dist):
+        real_save(out_dir, drafter, optimizer, scheduler, state, dist)
+        if state.step == stop_after:
+            torch.distributed.destroy_process_group()
+            sys.exit(0)
+
+    run_module.checkpoint.save = save_then_stop
+cfg = TrainConfig(store=store, out=out, max_steps=max_steps, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
+                  heldout=0.05, checkpoint_every=stop_after or 200)
 result = run_train(cfg, progress=False)
 rank = torch.distributed.get_rank()
 torch.save({k: v.clone() for k, v in result.drafter.trainable_state_dict().items()}, dump / f"rank{rank}.pt")

@@ -1,23 +1,31 @@
-"""DDP on the CPU: two gloo processes under torchrun end a step with identical weights."""
+"""DDP on the CPU: two gloo processes under torchrun end a step with identical weights, train like one process
+accumulating the same two batches, and leave checkpoints that one process resumes."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter
+from hstap.errors import HstapError
+from hstap.train.run import TrainConfig, load_metrics, run_train
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_path):
+def _torchrun(*args: str, port: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           str(WORKER), str(train_store), str(tmp_path / "run"), str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(WORKER), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_path):
+    _torchrun(str(train_store), str(tmp_path / "run"), str(tmp_path), port=29517)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
@@ -28,3 +36,20 @@ def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_pat
     torch.manual_seed(0)
     untrained = Eagle3Drafter(DrafterConfig.load(tmp_path / "run" / "config.json"))
     assert not torch.equal(untrained.fc.weight, rank0["fc.weight"])
+
+
+def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(train_store, tmp_path):
+    """Same global batch (2 ranks × 1 batch vs 1 process × 2 batches): the same losses and weights up to summation
+    order. A 2-rank run preempted after step 2 is finished by one process, as if nothing had happened."""
+    _torchrun(str(train_store), str(tmp_path / "ddp"), str(tmp_path), "4", "2", port=29518)
+    common = dict(store=train_store, max_steps=4, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05)
+    single = run_train(TrainConfig(out=tmp_path / "single", grad_accum=2, **common), progress=False)
+    with pytest.raises(HstapError, match="batches per step"):
+        run_train(TrainConfig(out=tmp_path / "ddp", resume=True, **common), progress=False)
+    resumed = run_train(TrainConfig(out=tmp_path / "ddp", resume=True, grad_accum=2, **common), progress=False)
+
+    losses = lambda run: [r["loss"] for r in load_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses("ddp")) == len(losses("single")) == 4  # 2 by the ranks, 2 by the resuming process
+    assert losses("ddp") == pytest.approx(losses("single"), rel=1e-4)
+    for name, value in single.drafter.trainable_state_dict().items():
+        torch.testing.assert_close(resumed.drafter.trainable_state_dict()[name], value, atol=2e-5, rtol=1e-4)

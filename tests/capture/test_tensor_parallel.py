@@ -1,0 +1,53 @@
+"""Tensor-parallel capture on the CPU: a target split over two gloo ranks by transformers' own plan, the tap on
+rank 0 only, gives the store a single process gives (up to all-reduce summation order).
+
+SmolLM2 cannot be split in two (9 attention heads), so the target is a small random Llama with SmolLM2's
+tokenizer and an even head count; the mechanism is the one an 8B target uses on two GPUs (docs/distributed.md)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hstap.models.target import resolve_model_dir
+from hstap.store import open_store
+from hstap.store.compare import compare_stores
+
+
+@pytest.fixture(scope="module")
+def even_heads_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    smollm2, _ = resolve_model_dir("smollm2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / name, out / name)
+    return out
+
+
+def _capture(model, out, *launcher: str) -> subprocess.CompletedProcess:
+    cmd = [*launcher, "-m", "hstap.cli", "capture", "--model", str(model), "--data", "sharegpt", "--limit", "12",
+           "--max-tokens", "96", "--batch-tokens", "512", "--dtype", "fp32", "--layers", "0,1,3", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_two_rank_tensor_parallel_capture_equals_one_process(even_heads_model, tmp_path):
+    _capture(even_heads_model, tmp_path / "single", sys.executable)
+    tp = _capture(even_heads_model, tmp_path / "tp", sys.executable, "-m", "torch.distributed.run",
+                  "--nproc_per_node", "2", "--master_port", "29519")
+    assert tp.stdout.count("captured 12 samples") == 1  # rank 0 reports; rank 1 wrote nothing and said nothing
+    assert len(open_store(tmp_path / "tp")) == 12
+    result = compare_stores(tmp_path / "tp", tmp_path / "single", rtol=1e-5, min_cos=0.99999)
+    assert result.ok and result.common == 12, result.verdict()
