@@ -33,6 +33,16 @@ COMMANDS = {
 }
 
 
+def stage_config(config_cls, args: argparse.Namespace, **fields):
+    """A stage's pydantic config from the flags named like its fields (plus `fields`); printed when --plan is set,
+    so `hstap STAGE ... --plan` shows what would run."""
+    flags = {k: v for k, v in vars(args).items() if k in config_cls.model_fields}
+    cfg = config_cls(**{**flags, **fields})
+    if getattr(args, "plan", False):
+        print(cfg.model_dump_json(indent=2))
+    return cfg
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hstap", description="hidden-state tap: EAGLE-3 drafters for your LLM")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

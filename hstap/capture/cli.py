@@ -6,8 +6,6 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("capture", help="prefill conversations through the target and store hidden states")
@@ -28,13 +26,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from hstap.capture.run import CaptureConfig, run_capture
+    from hstap.cli import stage_config
     from hstap.store.cli import format_info
     from hstap.store import store_info
 
-    cfg = CaptureConfig(**{k: v for k, v in vars(args).items() if k in CaptureConfig.model_fields})
+    cfg = stage_config(CaptureConfig, args)
     if args.plan:
-        print(cfg.model_dump_json(indent=2))
         return 0
     result = run_capture(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 holds the store

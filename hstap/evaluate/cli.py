@@ -32,13 +32,12 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hstap.cli import stage_config
     from hstap.evaluate.run import EvalConfig, run_eval
 
     shapes = [f"chain:{k}" for k in args.chain] + [f"tree:{t}" for t in args.tree]
-    fields = {k: v for k, v in vars(args).items() if k in EvalConfig.model_fields}
-    cfg = EvalConfig(**fields, **({"shapes": shapes} if shapes else {}))
+    cfg = stage_config(EvalConfig, args, **({"shapes": shapes} if shapes else {}))
     if args.plan:
-        print(cfg.model_dump_json(indent=2))
         return 0
     result = run_eval(cfg, progress=not args.json)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())

@@ -34,12 +34,12 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hstap.cli import stage_config
     from hstap.synth.config import SynthConfig
     from hstap.synth.run import run_synth
 
-    cfg = SynthConfig(**{k: v for k, v in vars(args).items() if k in SynthConfig.model_fields})
+    cfg = stage_config(SynthConfig, args)
     if args.plan:
-        print(cfg.model_dump_json(indent=2))
         return 0
     result = run_synth(cfg)
     print(result.summary())

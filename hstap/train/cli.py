@@ -45,11 +45,11 @@ def _duration(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hstap.cli import stage_config
     from hstap.train.run import TrainConfig, run_train
 
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.model_fields})
+    cfg = stage_config(TrainConfig, args)
     if args.plan:
-        print(cfg.model_dump_json(indent=2))
         return 0
     print(run_train(cfg).summary())
     return 0

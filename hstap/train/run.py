@@ -221,24 +221,24 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    per_step = dist.world_size * cfg.grad_accum  # batches in one optimizer step, all ranks together
+    batches_per_step = dist.world_size * cfg.grad_accum  # batches in one optimizer step, all ranks together
 
     def epoch_plan(epoch: int) -> list[list[int]]:
-        return plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, epoch, per_step)
+        return plan_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed, epoch, batches_per_step)
 
-    steps_per_epoch = len(epoch_plan(0)) // per_step
+    steps_per_epoch = len(epoch_plan(0)) // batches_per_step
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
 
     out = Path(cfg.out)
-    state = checkpoint.State(batches_per_step=per_step)
+    state = checkpoint.State(batches_per_step=batches_per_step)
     if cfg.resume:
         state = checkpoint.load(out, drafter, optimizer, scheduler)
-        if state.batches_per_step != per_step:
+        if state.batches_per_step != batches_per_step:
             raise HstapError(f"--resume: the checkpoint in {out} took {state.batches_per_step} batches per step "
-                             f"(ranks × --grad-accum), this run takes {per_step} ({dist.world_size} × "
+                             f"(ranks × --grad-accum), this run takes {batches_per_step} ({dist.world_size} × "
                              f"{cfg.grad_accum}): set --grad-accum so the global batch is the same")
     elif dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -271,8 +271,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     last_eval = initial
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
-        while state.step_in_epoch < len(plan) // per_step and state.step < total_steps:
-            first = state.step_in_epoch * per_step  # this step's batches: plan[first + a * world + rank]
+        while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
+            first = state.step_in_epoch * batches_per_step  # this step's batches: plan[first + a * world + rank]
             mine = [plan[first + a * dist.world_size + dist.rank] for a in range(cfg.grad_accum)]
             loss, step_losses, tokens = _accumulate(model, source, mine, layer_ids, device, autocast, dist)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -291,7 +291,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.update(1)
             if state.step % cfg.checkpoint_every == 0:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
-        if state.step_in_epoch >= len(plan) // per_step:
+        if state.step_in_epoch >= len(plan) // batches_per_step:
             state.epoch += 1
             state.step_in_epoch = 0
             if dist.rank == 0:
