@@ -163,7 +163,7 @@ def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path | N
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"hstap demo — SmolLM2-135M-Instruct, {prompts} regenerated ShareGPT answers")
+    table = Table(title=f"hstap demo — SmolLM2-135M-Instruct, answers regenerated for {prompts} ShareGPT prompts")
     for col in ("what", "value", "where"):
         table.add_column(col)
     h0, h1 = (trained.initial_heldout, trained.heldout) if trained else ({}, {})
