@@ -38,12 +38,21 @@ def table(records: list[dict]) -> str:
             t["emitted"] += g["emitted"]
             t["same"] += g["same_as_vanilla"]
     base = tokens_per_second(total["vanilla"]["tokens"], total["vanilla"]["seconds"])
-    lines = ["| method | τ | tok/s | speedup | output identical to vanilla |", "|---|---:|---:|---:|---:|"]
+    lines = ["| method | τ | tok/s | speedup | output identical to vanilla | ms per verification (incl. drafting) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for m in methods:
         t = total[m]
         rate = tokens_per_second(t["tokens"], t["seconds"])
         tau = acceptance_length(t["emitted"], t["forwards"]) if t["forwards"] else float("nan")
-        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {rate / base:.2f}× | {t['same']}/{len(records)} |")
+        per_forward = 1000 * t["seconds"] / t["forwards"] if t["forwards"] else float("nan")
+        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {rate / base:.2f}× | {t['same']}/{len(records)} | "
+                     f"{per_forward:.1f} |")
+    for m in methods[1:]:
+        accepted = [a for r in records for a in r["methods"][m]["accepted"]]
+        depth = max(accepted, default=0)
+        rates = [sum(a >= k for a in accepted) / len(accepted) for k in range(1, depth + 1)]
+        lines.append(f"\n{m}: verifications accepting ≥ k drafts, k = 1..{depth}: "
+                     + " / ".join(f"{r:.3f}" for r in rates))
     return "\n".join(lines)
 
 
