@@ -57,6 +57,26 @@ class EngineCaptureConfig(BaseModel):
     shard_mb: float = Field(default=64, gt=0)
     flush_s: float = Field(default=1.0, gt=0)
 
+    @classmethod
+    def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, dtype: str = "bf16",
+                       shard_mb: float = 64, flush_s: float = 1.0) -> "EngineCaptureConfig":
+        """The config for a served checkpoint (`model`: 'smollm2' or a directory): layer ids validated against its
+        config.json (nested `text_config` of wrapped models included), the weights fingerprinted like a store's."""
+        from hstap.capture.layers import parse_layers
+        from hstap.errors import HstapError
+        from hstap.models.target import fingerprint_dir, resolve_model_dir
+
+        path, model_id = resolve_model_dir(model)
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config", config)
+        try:
+            num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        except KeyError as e:
+            raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
+        return cls(out=Path(out).resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
+                   hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=fingerprint_dir(path),
+                   engine=engine, shard_mb=shard_mb, flush_s=flush_s)
+
 
 @dataclass
 class Span:

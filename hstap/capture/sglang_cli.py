@@ -18,29 +18,12 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print only the --forward-hooks JSON")
 
 
-def engine_config(model: str, layers: str, out: Path, engine: str, dtype: str = "bf16", shard_mb: float = 64,
-                  flush_s: float = 1.0):
-    """The EngineCaptureConfig for a checkpoint: layer ids validated against its config.json, fingerprinted."""
-    from hstap.capture.engine import EngineCaptureConfig
-    from hstap.capture.layers import parse_layers
-    from hstap.errors import HstapError
-    from hstap.models.target import _fingerprint_dir, resolve_model_dir
-
-    path, model_id = resolve_model_dir(model)
-    config = json.loads((path / "config.json").read_text())
-    config = config.get("text_config", config)
-    try:
-        num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
-    except KeyError as e:
-        raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
-    return EngineCaptureConfig(out=out.resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
-                               hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=_fingerprint_dir(path),
-                               engine=engine, shard_mb=shard_mb, flush_s=flush_s)
-
-
 def run(args: argparse.Namespace) -> int:
     from hstap.capture.sglang import format_flags, hook_specs, sglang_flags
 
-    cfg = engine_config(args.model, args.layers, args.out, "sglang", args.dtype, args.shard_mb, args.flush_s)
+    from hstap.capture.engine import EngineCaptureConfig
+
+    cfg = EngineCaptureConfig.for_checkpoint(args.model, args.layers, args.out, "sglang", args.dtype, args.shard_mb,
+                                             args.flush_s)
     print(json.dumps(hook_specs(cfg)) if args.json else format_flags(sglang_flags(cfg)))
     return 0

@@ -23,10 +23,10 @@ def rpc_body(config_json: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from hstap.capture.sglang import format_flags
-    from hstap.capture.sglang_cli import engine_config
+    from hstap.capture.engine import EngineCaptureConfig
     from hstap.capture.vllm import LAUNCH_FLAGS
 
-    cfg = engine_config(args.model, args.layers, args.out, "vllm", args.dtype)
+    cfg = EngineCaptureConfig.for_checkpoint(args.model, args.layers, args.out, "vllm", args.dtype)
     body = rpc_body(cfg.model_dump_json())
     if args.rpc:
         print(body)

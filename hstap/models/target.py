@@ -69,7 +69,7 @@ def _canonical_json(data: bytes) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
 
-def _fingerprint_dir(path: Path) -> str:
+def fingerprint_dir(path: Path) -> str:
     """sha256 over the JSON files (canonical: install paths and library versions dropped) and every weight file's
     size and first/last MiB: cheap, weight-sensitive, and equal on every machine that holds the same model."""
     h = hashlib.sha256()
@@ -181,4 +181,4 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = Non
         net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
     else:
         net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return Target(model=net, tokenizer=load_tokenizer(model), model_id=model_id, fingerprint=_fingerprint_dir(path))
+    return Target(model=net, tokenizer=load_tokenizer(model), model_id=model_id, fingerprint=fingerprint_dir(path))

@@ -66,10 +66,11 @@ def install_vllm_taps(sup) -> None:
     """vLLM has no hook flag: start the taps in every worker through its dev RPC endpoint."""
     import httpx
 
-    from hstap.capture.sglang_cli import engine_config
+    from hstap.capture.engine import EngineCaptureConfig
     from hstap.capture.vllm_cli import rpc_body
 
-    cfg = engine_config(sup.cfg.model, sup.cfg.capture_layers or "auto", sup.cfg.capture_dir, "vllm")
+    cfg = EngineCaptureConfig.for_checkpoint(sup.cfg.model, sup.cfg.capture_layers or "auto", sup.cfg.capture_dir,
+                                             "vllm")
     r = httpx.post(f"{sup.url}/collective_rpc", content=rpc_body(cfg.model_dump_json()),
                    headers={"content-type": "application/json"}, timeout=120)
     print(f"hstap serve: install_taps -> HTTP {r.status_code} {r.text[:300]}", flush=True)

@@ -130,7 +130,7 @@ def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None,
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from hstap.capture.sglang_cli import engine_config
+    from hstap.capture.engine import EngineCaptureConfig
     from hstap.models import load_target
 
     ap = argparse.ArgumentParser(prog="python -m hstap.serve.hf_capture", description=__doc__.splitlines()[0])
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(args.model, device=args.device)
     cfg = None
     if args.capture_dir is not None:
-        cfg = engine_config(args.model, args.capture_layers or "auto", args.capture_dir, "hf", args.dtype)
+        cfg = EngineCaptureConfig.for_checkpoint(args.model, args.capture_layers or "auto", args.capture_dir, "hf",
+                                                 args.dtype)
         print(f"hstap hf engine: capturing layers {cfg.layers} into {cfg.out}", flush=True)
     name = args.name or target.model_id
     app = create_capture_app(target, name, cfg, max_batch=args.max_batch)

@@ -92,13 +92,13 @@ class Supervisor:
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        from hstap.capture.sglang_cli import engine_config
+        from hstap.capture.engine import EngineCaptureConfig
         from hstap.models.target import resolve_model_dir
 
         cfg = self.cfg
         capture = None
         if cfg.capture_dir is not None:
-            capture = engine_config(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir, cfg.engine)
+            capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir, cfg.engine)
         elif cfg.capture_layers is not None:
             raise HstapError("--capture-layers needs --capture-dir (where the engine writes the store)")
         model = cfg.model if cfg.engine == "hf" else str(resolve_model_dir(cfg.model)[0])

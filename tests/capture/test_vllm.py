@@ -11,7 +11,7 @@ import torch
 
 import hstap.capture.vllm as hv
 from hstap.capture.engine import REQUESTS_NAME
-from hstap.capture.sglang_cli import engine_config
+from hstap.capture.engine import EngineCaptureConfig
 from hstap.store import open_store
 from hstap.store.compare import compare_stores
 from tests.capture.engine_model import VLLM_INFO, VllmCausalLM, vllm_step
@@ -32,7 +32,7 @@ def worker(target, tmp_path, samples, monkeypatch):
     out.mkdir()
     (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
                                                          "loss_mask": s.loss_mask}) + "\n" for s in samples))
-    cfg = engine_config("smollm2", LAYERS, out, "vllm", dtype="fp32")
+    cfg = EngineCaptureConfig.for_checkpoint("smollm2", LAYERS, out, "vllm", dtype="fp32")
     w = FakeWorker(VllmCausalLM(target.model))
     assert "writing to" in w.install_taps(cfg.model_dump_json())  # what collective_rpc passes: a JSON string
     return w, out, cfg.model_dump_json()
@@ -81,7 +81,7 @@ def test_real_vllm_engine_equals_transformers(tmp_path, convs, samples):
     out.mkdir()
     (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
                                                          "loss_mask": s.loss_mask}) + "\n" for s in samples))
-    cfg = engine_config("smollm2", LAYERS, out, "vllm", dtype="fp32")
+    cfg = EngineCaptureConfig.for_checkpoint("smollm2", LAYERS, out, "vllm", dtype="fp32")
     llm = vllm.LLM(model=str(resolve_model_dir("smollm2")[0]), enforce_eager=True, enable_prefix_caching=False,
                    worker_extension_cls=hv.EXTENSION, dtype="float32", gpu_memory_utilization=0.3)
     llm.collective_rpc("install_taps", args=(cfg.model_dump_json(),))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from hstap.models.target import _fingerprint_dir, resolve_model_dir
+from hstap.models.target import fingerprint_dir, resolve_model_dir
 
 
 def _copy(src, dst, edit_config=None):
@@ -22,11 +22,11 @@ def _copy(src, dst, edit_config=None):
 
 def test_fingerprint_ignores_install_path_and_library_version_but_not_the_model(tmp_path):
     real, _ = resolve_model_dir("smollm2")
-    base = _fingerprint_dir(real)
+    base = fingerprint_dir(real)
     moved = _copy(real, tmp_path / "a", lambda c: c.update(_name_or_path="/opt/elsewhere", transformers_version="9"))
-    assert _fingerprint_dir(moved) == base
+    assert fingerprint_dir(moved) == base
     other = _copy(real, tmp_path / "b", lambda c: c.update(rms_norm_eps=1e-5))
-    assert _fingerprint_dir(other) != base
+    assert fingerprint_dir(other) != base
     weights = tmp_path / "c"
     shutil.copytree(real, weights)
     with open(weights / "model.safetensors", "r+b") as f:  # one byte of the last MiB
@@ -34,4 +34,4 @@ def test_fingerprint_ignores_install_path_and_library_version_but_not_the_model(
         byte = f.read(1)
         f.seek(-10, 2)
         f.write(bytes([byte[0] ^ 1]))
-    assert _fingerprint_dir(weights) != base
+    assert fingerprint_dir(weights) != base
