@@ -98,7 +98,8 @@ class Supervisor:
         cfg = self.cfg
         capture = None
         if cfg.capture_dir is not None:
-            capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir, cfg.engine)
+            capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir,
+                                                         cfg.engine)
         elif cfg.capture_layers is not None:
             raise HstapError("--capture-layers needs --capture-dir (where the engine writes the store)")
         model = cfg.model if cfg.engine == "hf" else str(resolve_model_dir(cfg.model)[0])
