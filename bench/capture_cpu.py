@@ -17,9 +17,11 @@ import time
 import torch
 
 from hstap.capture.hf import hf_taps
-from hstap.capture.run import CaptureConfig, _to_model_inputs, make_batches, render_all
-from hstap.capture.tap import Tap, TeacherSpec
-from hstap.data import SkipReport
+from hstap.capture.run import _to_model_inputs, make_batches
+from hstap.capture.tap import Tap
+from hstap.config import TeacherSpec
+from hstap.data import SkipReport, render_all
+from hstap.metrics import tokens_per_second
 from hstap.models import load_target
 
 
@@ -34,10 +36,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = CaptureConfig(out="/dev/null", limit=args.samples, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens)
     target = load_target("smollm2")
-    samples = render_all(cfg, target.tokenizer, SkipReport())
-    batches = [_to_model_inputs(b, target.tokenizer.pad_token_id, "cpu") for b in make_batches(samples, cfg.batch_tokens)]
+    samples = render_all("sharegpt", target.tokenizer, SkipReport(), max_tokens=args.max_tokens, limit=args.samples)
+    batches = [_to_model_inputs(b, target.tokenizer.pad_token_id, "cpu")
+               for b in make_batches(samples, args.batch_tokens)]
     tokens = sum(sum(layout.lengths) for _, layout in batches)
     layers = [1, 14, 26]
 
@@ -51,7 +53,7 @@ def main() -> None:
     def tapped() -> float:
         kept = []
         tap = Tap({f"hidden.{k}" for k in layers} | {"teacher"}, sink=lambda s, t: kept.append(s),
-                  teacher=TeacherSpec("topk", 32), hidden_size=target.hidden_size)
+                  teacher=TeacherSpec(kind="topk", k=32), hidden_size=target.hidden_size)
         t0 = time.perf_counter()
         with hf_taps(target.model, tap, layers), torch.inference_mode():
             for inputs, layout in batches:
@@ -67,7 +69,7 @@ def main() -> None:
     for _ in range(args.reps):
         times["plain"].append(plain())
         times["tapped"].append(tapped())
-    rate = {k: tokens / statistics.median(v) for k, v in times.items()}
+    rate = {k: tokens_per_second(tokens, statistics.median(v)) for k, v in times.items()}
     print(f"hardware: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     print(f"{len(samples)} ShareGPT samples, {tokens} tokens, {len(batches)} batches of <= {args.batch_tokens} "

@@ -19,7 +19,8 @@ import time
 import torch
 
 from hstap.capture.hf import hf_taps
-from hstap.capture.tap import Batch, Tap, TeacherSpec
+from hstap.capture.tap import Batch, Tap
+from hstap.config import TeacherSpec
 
 
 def build_model(shape: str, device: str):

@@ -19,9 +19,9 @@ import torch
 
 from hstap.data import RenderedSample
 from hstap.drafter import target_to_draft_ids
-from hstap.evaluate.run import load_drafter, load_prompts, stop_ids_of
+from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.evaluate.spec import speculative_generate
-from hstap.evaluate.tree import DraftShape
+from hstap.evaluate.shapes import DraftShape
 from hstap.models import load_target
 from hstap.train.data import OnlineSource
 from hstap.train.ttt import collate, ttt_forward
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     target = load_target("smollm2")
     drafter = load_drafter(args.drafter, target)
-    stop = stop_ids_of(target.model, target.tokenizer)
+    stop = set(target.stop_ids)
     samples, first_accepted, verifications = [], 0, 0
     for p in load_prompts(args.bench, target.tokenizer, args.limit):
         gen = speculative_generate(target.model, drafter, p.ids, DraftShape.parse(f"chain:{args.chain}"),

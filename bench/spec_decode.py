@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from hstap.evaluate.run import EvalConfig, run_eval
+from hstap.evaluate.config import EvalConfig, shape_fields
+from hstap.evaluate.run import run_eval
 from hstap.metrics import acceptance_length, tokens_per_second
 
 
@@ -84,7 +85,7 @@ def main() -> None:
         with open(log, "a") as f:
             f.write(json.dumps({"id": prompt.id, "prompt_tokens": len(prompt.ids), "methods": methods}) + "\n")
 
-    cfg = EvalConfig(drafter=args.drafter, bench="mt-bench", limit=args.limit, shapes=args.shapes,
+    cfg = EvalConfig(drafter=args.drafter, bench="mt-bench", limit=args.limit, **shape_fields(args.shapes),
                      max_new_tokens=args.max_new_tokens, device=args.device)
     result = run_eval(cfg, progress=True, on_prompt=record)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \

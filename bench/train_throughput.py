@@ -1,15 +1,20 @@
-"""Drafter training throughput (tokens/s) for one TTT training step, on synthetic inputs of a real shape.
+"""Drafter training throughput (tokens/s) for TTT training steps on synthetic inputs of a real shape, on one
+device or on several GPUs under torchrun (DDP, as `hstap train` runs it).
 
     python bench/train_throughput.py --device cpu --shape smollm2 --draft-vocab 8192 --ttt-steps 7
     python bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --seq 2048
+    torchrun --standalone --nproc_per_node 2 bench/train_throughput.py --device cuda --shape 8b --seq 2048
 
-Synthetic aux states and teacher top-k (random), real drafter code path (ttt_forward + AdamW), warm-up excluded.
+Synthetic aux states and teacher top-k (random), the real training path (`TTTModel` + AdamW, wrapped in DDP when
+WORLD_SIZE > 1), warm-up excluded. Every rank trains a batch of its own, so tokens/s is the sum over ranks; peak
+memory is per GPU. Rank 0 prints; `--json` adds a machine-readable line.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import statistics
 import time
@@ -17,7 +22,9 @@ import time
 import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
-from hstap.train.ttt import TTTBatch, ttt_forward
+from hstap.metrics import tokens_per_second
+from hstap.train import distributed
+from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -25,6 +32,14 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, vocab_size=128256, target_num_layers=32),
 }
+
+
+def synthetic_batch(h: int, vocab: int, t2d: torch.Tensor, b: int, s: int) -> TTTBatch:
+    in_vocab = torch.nonzero(t2d).flatten()
+    topk_ids = in_vocab[torch.randint(0, len(in_vocab), (b, s, 32))]
+    return TTTBatch(aux=torch.randn(b, s, 3 * h, dtype=torch.bfloat16), input_ids=torch.randint(0, vocab, (b, s)),
+                    loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
+                    topk_ids=topk_ids, topk_logprobs=torch.log_softmax(torch.randn(b, s, 32), -1))
 
 
 def main() -> None:
@@ -36,44 +51,54 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", action="store_true", help="also print one JSON line with the numbers")
     args = ap.parse_args()
-    torch.manual_seed(0)
+    dist = distributed.setup(args.device)
+    torch.manual_seed(0)  # the same weights on every rank, as DDP expects
     shape = SHAPES[args.shape]
-    h = shape["hidden_size"]
+    h, vocab = shape["hidden_size"], shape["vocab_size"]
     cfg = DrafterConfig(**shape, draft_vocab_size=args.draft_vocab, aux_layer_ids=[1, 14, 26], target_model_id="bench",
                         target_fingerprint="bench", target_hidden_size=h)
-    dev = torch.device(args.device)
     drafter = Eagle3Drafter(cfg)
-    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (shape["vocab_size"],)), args.draft_vocab)
+    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (vocab,)), args.draft_vocab)
     drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
-    drafter.to(dev)
-    t2d_ids = target_to_draft_ids(drafter.d2t, shape["vocab_size"])
+    drafter.to(dist.device)
+    model = dist.wrap(TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    b, s = args.batch, args.seq
-    in_vocab = torch.nonzero(t2d).flatten()
-    topk_ids = in_vocab[torch.randint(0, len(in_vocab), (b, s, 32))]
-    batch = TTTBatch(aux=torch.randn(b, s, 3 * h, dtype=torch.bfloat16), input_ids=torch.randint(0, 49152, (b, s)),
-                     loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
-                     topk_ids=topk_ids, topk_logprobs=torch.log_softmax(torch.randn(b, s, 32), -1)).to(dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    torch.manual_seed(1 + dist.rank)  # each rank its own data
+    batch = synthetic_batch(h, vocab, t2d, args.batch, args.seq).to(dist.device)
+    cuda = dist.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.steps + 2):
         sync()
         t0 = time.perf_counter()
-        with autocast:
-            out = ttt_forward(drafter, batch, t2d_ids, args.ttt_steps)
+        with autocast(dist.device):
+            loss = model(*batch_tensors(batch))[0]
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         opt.step()
         sync()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    name = torch.cuda.get_device_name() if dev.type == "cuda" else f"{platform.processor() or 'cpu'}, " \
-        f"{torch.get_num_threads()} threads"
-    print(f"date {datetime.date.today()}, device {name}, torch {torch.__version__}, shape {args.shape}, "
-          f"draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {b}x{s}")
-    print(f"train step {1000 * statistics.median(times):.0f} ms, {b * s / statistics.median(times):.0f} tok/s")
+    step_s = dist.agree_max(statistics.median(times))  # the slowest rank sets the pace
+    tokens = args.batch * args.seq * dist.world_size
+    peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
+    peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
+    if dist.rank == 0:
+        name = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, " \
+            f"{torch.get_num_threads()} threads"
+        print(f"date {datetime.date.today()}, device {dist.world_size} x {name}, torch {torch.__version__}, shape "
+              f"{args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {args.batch}x{args.seq} "
+              f"per rank")
+        print(f"train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
+              f"{dist.world_size} rank(s), peak memory {peak_gib:.1f} GiB per GPU")
+        if args.json:
+            print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
+                              "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
+                              "seq": args.seq, "batch": args.batch, "ttt": args.ttt_steps}))
+    if dist.enabled:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

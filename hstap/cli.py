@@ -1,12 +1,14 @@
-"""`hstap` command line: a thin shell that parses flags into a stage's config and calls its entry function.
+"""`hstap` command line: a thin shell that turns flags into a command's config and calls its entry function.
 
     hstap capture --model smollm2 --data sharegpt --limit 100 --out runs/cap
+    hstap train --config run.yaml --set train.lr=3e-4 --out runs/drafter --plan
     hstap store info runs/cap [--json]
-    hstap store verify runs/cap
 
-Each subcommand lives next to its stage as `hstap/<stage>/cli.py` with `add_parser(sub)` and `run(args) -> int`;
-COMMANDS below is the one registry. Errors the user can fix print as one line (exit 2); `--debug` shows the
-traceback.
+COMMANDS below is the one registry: name → (module, one-line help). A command's module has
+`add_arguments(parser)`, which declares its flags from the command's pydantic config (hstap/config.py), and
+`run(cfg) -> int`. `--plan` prints the resolved config (a module's `plan(cfg)` where it has more to show) and
+exits. Errors the user can fix print as one line (exit 2); `--debug` shows the traceback. Only the module of the
+command that runs is imported — `hstap --help` imports none — so start-up costs no torch and no schema building.
 """
 
 from __future__ import annotations
@@ -18,60 +20,61 @@ import sys
 from hstap.errors import HstapError
 
 COMMANDS = {
-    "capture": "hstap.capture.cli",
-    "train": "hstap.train.cli",
-    "eval": "hstap.evaluate.cli",
-    "synth": "hstap.synth.cli",
-    "store": "hstap.store.cli",
-    "demo": "hstap.demo",
-    "sglang-flags": "hstap.capture.sglang_cli",
-    "vllm-flags": "hstap.capture.vllm_cli",
-    "capture-remote": "hstap.capture.remote",
-    "serve": "hstap.serve.cli",
-    "compare": "hstap.store.compare",
-    "export": "hstap.export.cli",
+    "synth": ("hstap.synth.cli", "regenerate the assistant turns with the target (embedded or served)"),
+    "capture": ("hstap.capture.cli", "prefill conversations through the target and store hidden states"),
+    "capture-remote": ("hstap.capture.remote_cli", "prefill conversations through a tapped server (sglang, vllm, "
+                                                   "hf)"),
+    "sglang-flags": ("hstap.capture.sglang_cli", "print SGLang's --forward-hooks JSON and the other flags capture "
+                                                 "needs"),
+    "vllm-flags": ("hstap.capture.vllm_cli", "print vLLM's launch flags and the collective_rpc body that starts "
+                                             "capture"),
+    "store": ("hstap.store.cli", "inspect or verify a capture store"),
+    "compare": ("hstap.store.compare_cli", "per-layer, per-sample differences between two stores of the same "
+                                           "samples"),
+    "train": ("hstap.train.cli", "train an EAGLE-3 drafter (offline from a store, or --online)"),
+    "eval": ("hstap.evaluate.cli", "speculative decoding with the embedded target: τ, acceptance, speedup"),
+    "export": ("hstap.export.cli", "write a trained drafter as an SGLang or vLLM EAGLE-3 draft checkpoint"),
+    "serve": ("hstap.serve.cli", "start an engine (with capture taps), wait until ready, watch for hangs"),
+    "demo": ("hstap.demo", "the main job on the embedded default: synth → capture → train → eval → export"),
 }
 
 
-def stage_config(config_cls, args: argparse.Namespace, **fields):
-    """A stage's pydantic config from the flags named like its fields (plus `fields`); printed when --plan is set,
-    so `hstap STAGE ... --plan` shows what would run."""
-    flags = {k: v for k, v in vars(args).items() if k in config_cls.model_fields}
-    cfg = config_cls(**{**flags, **fields})
-    if getattr(args, "plan", False):
-        print(cfg.model_dump_json(indent=2))
-    return cfg
+def chosen_command(argv: list[str]) -> str | None:
+    """The command named in `argv` (the first word that is not an option), if it is one of COMMANDS."""
+    words = [a for a in argv if not a.startswith("-")]
+    return words[0] if words and words[0] in COMMANDS else None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the command named in `argv` gets its flags (all of them when `argv` is None)."""
     parser = argparse.ArgumentParser(prog="hstap", description="hidden-state tap: EAGLE-3 drafters for your LLM")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for module in COMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    chosen = chosen_command(argv) if argv is not None else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(module=module)
+        if argv is None or name == chosen:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
-def _one_line(exc: Exception) -> str:
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        return f"config field {field}: {err['msg']} (got {err.get('input')!r})"
-    return str(exc)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from pydantic import ValidationError
+    from hstap.config import config_from_args, plan_text
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
-        return importlib.import_module(COMMANDS[args.cmd]).run(args)
-    except (HstapError, ValidationError) as exc:
+        module = importlib.import_module(args.module)
+        cfg = config_from_args(args, sections=list(COMMANDS))
+        if args.plan:
+            print((module.plan(cfg) if hasattr(module, "plan") else plan_text(cfg, args.config_section)).rstrip("\n"))
+            return 0
+        return module.run(cfg)
+    except HstapError as exc:
         if args.debug:
             raise
-        print(f"hstap: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"hstap: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hstap: interrupted", file=sys.stderr)

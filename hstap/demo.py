@@ -13,13 +13,15 @@ The gpu preset trains online (stage 2 skipped) within a fixed time budget.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from hstap.errors import HstapError
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from hstap.config import add_config_flags, option
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class Preset:
     batch_tokens: int
     eval_questions: int
     eval_new_tokens: int
-    shapes: tuple[str, ...]
+    shapes: dict  # EvalConfig's shape fields: chain=[K...], tree=["D,TOPK,N", ...]
     device: str
     online: bool = False  # train with the target in-process instead of capturing a store first
     train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
@@ -46,28 +48,45 @@ PRESETS = {
     # sized to finish in well under 15 minutes on 2 CPU cores (docs/benchmarks.md has the measured time)
     "cpu": Preset(prompts=96, prompt_chars=400, new_tokens=128, synth_batch=16, max_tokens=320, epochs=4,
                   ttt_steps=4, draft_vocab=4096, lr=3e-3, batch_tokens=2048, eval_questions=8,
-                  eval_new_tokens=64, shapes=("chain:3",), device="cpu"),
+                  eval_new_tokens=64, shapes={"chain": [3]}, device="cpu"),
     # the whole path in about a minute, for the smoke test (tests/test_demo.py); proves wiring, not quality
     "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
                     ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
-                    eval_new_tokens=12, shapes=("chain:2",), device="cpu"),
+                    eval_new_tokens=12, shapes={"chain": [2]}, device="cpu"),
     # one H200: every ShareGPT prompt regenerated, online training fitted into 7 minutes (a store of these states
     # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch)
     "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=40,
                   ttt_steps=7, draft_vocab=16384, lr=2e-3, batch_tokens=16384, eval_questions=80,
-                  eval_new_tokens=256, shapes=("chain:3", "tree:8,8,60"), device="cuda", online=True,
+                  eval_new_tokens=256, shapes={"chain": [3], "tree": ["8,8,60"]}, device="cuda", online=True,
                   train_budget_s=420),
 }
 STAGES = ("synth", "capture", "train", "eval", "export")
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the embedded default: synth → capture → train → eval → export")
-    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help="comma-separated subset of synth,capture,train,eval,export; the others reuse what an "
-                        "earlier run left in --out")
+class DemoConfig(BaseModel):
+    """The main job on the embedded default: synth → capture → train → eval → export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: Literal["cpu", "smoke", "gpu"] = option("cpu", "sizes: cpu (make demo), smoke (tests), gpu (one H200)")
+    out: Path = option(Path("runs/demo"), "run directory")
+    stages: list[str] = option(list(STAGES), "comma-separated subset of synth,capture,train,eval,export; the others "
+                                             "reuse what an earlier run left in --out", metavar="STAGE,...")
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        names = [name.strip() for item in value for name in str(item).split(",") if name.strip()]
+        unknown = sorted(set(names) - set(STAGES))
+        if unknown or not names:
+            raise ValueError(f"expected a comma-separated subset of {','.join(STAGES)}, got {','.join(names)!r}")
+        return names
+
+
+def add_arguments(parser) -> None:
+    add_config_flags(parser, DemoConfig, "demo")
 
 
 def short_prompts(out: Path, count: int, max_chars: int) -> tuple[Path, int]:
@@ -91,19 +110,18 @@ def short_prompts(out: Path, count: int, max_chars: int) -> tuple[Path, int]:
     return path, len(rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    from hstap.capture.run import CaptureConfig, run_capture
-    from hstap.evaluate.run import EvalConfig, run_eval
-    from hstap.export import export_drafter
+def run(cfg: DemoConfig) -> int:
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.run import run_capture
+    from hstap.evaluate.config import EvalConfig
+    from hstap.evaluate.run import run_eval
+    from hstap.export.write import export_drafter
     from hstap.synth.config import SynthConfig
     from hstap.synth.run import run_synth
-    from hstap.train.run import TrainConfig, run_train
+    from hstap.train.config import TrainConfig
+    from hstap.train.run import run_train
 
-    p, out = PRESETS[args.preset], Path(args.out)
-    stages = [name.strip() for name in args.stages.split(",") if name.strip()]
-    unknown = sorted(set(stages) - set(STAGES))
-    if unknown or not stages:
-        raise HstapError(f"--stages {args.stages!r}: expected a comma-separated subset of {','.join(STAGES)}")
+    p, out, stages = PRESETS[cfg.preset], Path(cfg.out), cfg.stages
     timings: dict[str, float] = {}
 
     def stage(name: str):
@@ -144,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     if "eval" in stages:
         stage("eval")
-        evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions,
-                                        shapes=list(p.shapes), max_new_tokens=p.eval_new_tokens, device=p.device))
+        evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions, **p.shapes,
+                                        max_new_tokens=p.eval_new_tokens, device=p.device))
         print(evaluated.summary())
         done("eval")
 

@@ -35,7 +35,8 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def train_store(tmp_path_factory):
     """A real capture of a few hundred ShareGPT conversations (short ones), shared by the training tests."""
-    from hstap.capture.run import CaptureConfig, run_capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.run import run_capture
 
     out = tmp_path_factory.mktemp("train_store") / "store"
     result = run_capture(CaptureConfig(out=out, limit=240, max_tokens=128, batch_tokens=4096), progress=False)

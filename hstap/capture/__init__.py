@@ -1,6 +1,5 @@
-"""Capture: the engine-agnostic tap, canonical layer ids, and the transformers adapter."""
+"""Capture: the engine-agnostic tap (tap.py), canonical layer ids (layers.py), the transformers adapter (hf.py),
+the embedded capture run (run.py), and the in-engine adapters (engine.py, sglang.py, vllm.py).
 
-from hstap.capture.layers import default_layers, parse_layers, to_hf_hidden_states_index
-from hstap.capture.tap import Batch, Tap, TapReport, TeacherSpec
-
-__all__ = ["Batch", "Tap", "TapReport", "TeacherSpec", "default_layers", "parse_layers", "to_hf_hidden_states_index"]
+Nothing is imported here: `hstap --help` reads capture/config.py without loading torch.
+"""

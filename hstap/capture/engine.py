@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from hstap.capture.tap import STORAGE_DTYPES, Batch, Tap, TeacherSpec
+from hstap.capture.tap import Batch, Tap
+from hstap.config import Dtype, TeacherSpec, torch_dtype
 from hstap.store import StoreMeta, StoreWriter
 
 REQUESTS_NAME = "requests.jsonl"
@@ -50,7 +51,7 @@ class EngineCaptureConfig(BaseModel):
     layers: list[int]
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
-    dtype: str = "bf16"
+    dtype: Dtype = "bf16"
     model_id: str = "unknown"
     fingerprint: str = "unknown"
     engine: str = "unknown"
@@ -64,11 +65,10 @@ class EngineCaptureConfig(BaseModel):
         config.json (nested `text_config` of wrapped models included), the weights fingerprinted like a store's."""
         from hstap.capture.layers import parse_layers
         from hstap.errors import HstapError
-        from hstap.models.target import fingerprint_dir, resolve_model_dir
+        from hstap.models.target import fingerprint_dir, model_config, resolve_model_dir
 
         path, model_id = resolve_model_dir(model)
-        config = json.loads((path / "config.json").read_text())
-        config = config.get("text_config", config)
+        config = model_config(model)
         try:
             num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
         except KeyError as e:
@@ -139,11 +139,10 @@ class Expected:
         return self._full.get(tuple(ids), [])
 
     def continued_by(self, ids: list[int]) -> list[str]:
-        """Samples longer than `ids` that start with them (a first chunk)."""
-        if len(ids) < HEAD:
-            return []
-        return [s for s in self._head.get(tuple(ids[:HEAD]), [])
-                if len(self.samples[s][0]) > len(ids) and self.samples[s][0][:len(ids)] == ids]
+        """Samples longer than `ids` that start with them (a first chunk). A chunk shorter than HEAD tokens (an
+        engine gives a new request whatever is left of a step's token budget) is looked up by a scan: rare."""
+        pool = self._head.get(tuple(ids[:HEAD]), []) if len(ids) >= HEAD else self.samples
+        return [s for s in pool if len(self.samples[s][0]) > len(ids) and self.samples[s][0][:len(ids)] == ids]
 
 
 _NOT_STORED = {"input_ids", "positions"}  # recorded to identify requests; the store takes the announced ids
@@ -169,32 +168,28 @@ class Matcher:
     def _free(self, candidates: list[str]) -> list[str]:
         return [s for s in candidates if s not in self.done]
 
-    def _lookup(self, ids: list[int]) -> tuple[list[str], bool]:
-        """(free samples that are exactly `ids`, True) or (free samples that `ids` begin, False)."""
-        for attempt in range(2):  # a miss re-reads requests.jsonl once: the client may have announced it just now
-            whole = self._free(self.expected.whole(ids))
-            if whole:
-                return whole, True
-            first_chunk = self._free(self.expected.continued_by(ids))
-            if first_chunk:
-                return first_chunk, False
-            if attempt == 0 and not self.expected.refresh():
-                break
-        return [], False
+    def _lookup(self, ids: list[int]) -> tuple[list[str], list[str]]:
+        """(samples that are exactly `ids`, samples that `ids` begin), committed ones included; a miss re-reads
+        requests.jsonl once: the client may have announced the sample just now."""
+        whole, first = self.expected.whole(ids), self.expected.continued_by(ids)
+        if not whole and not first and self.expected.refresh():
+            whole, first = self.expected.whole(ids), self.expected.continued_by(ids)
+        return whole, first
 
     def _start(self, span: Span, ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        candidates, complete = self._lookup(ids)
-        if not candidates:
-            known = self.expected.whole(ids)
-            self.counts["duplicate" if known and all(s in self.done for s in known) else "unmatched"] += 1
+        whole, first = self._lookup(ids)
+        if self._free(whole) or (whole and not first):
+            self._finish(whole, [tensors])
             return
-        if complete:
-            self._emit(candidates[0], [tensors])
+        if not first:
+            self.counts["unmatched"] += 1
             return
+        # A first chunk: follow every sample it may begin, committed ones too (a re-sent sample is a duplicate
+        # only once its last chunk says which sample it is).
         if len(self.partials) >= MAX_PARTIALS:
             self.partials.pop(0)
             self.counts["abandoned_partial"] += 1
-        self.partials.append(_Partial(candidates, span.rid, list(ids), [tensors]))
+        self.partials.append(_Partial(first, span.rid, list(ids), [tensors]))
 
     def _continue(self, span: Span, ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         for partial in self.partials:
@@ -204,18 +199,23 @@ class Matcher:
             fits = [s for s in partial.candidates if self.expected.samples[s][0][:len(tokens)] == tokens]
             if not fits:
                 continue
-            partial.tokens, partial.candidates = tokens, self._free(fits)
+            partial.tokens, partial.candidates = tokens, fits
             partial.pieces.append(tensors)
-            whole = [s for s in partial.candidates if len(self.expected.samples[s][0]) == len(tokens)]
+            whole = [s for s in fits if len(self.expected.samples[s][0]) == len(tokens)]
             if whole:
                 self.partials.remove(partial)
-                self._emit(whole[0], partial.pieces)
-            elif not partial.candidates:
-                self.partials.remove(partial)
-                self.counts["duplicate"] += 1
+                self._finish(whole, partial.pieces)
             return
         # Its first tokens were never computed in this capture: a prefix-cache hit (or a chunk of foreign traffic).
         self.counts["refused_prefix_cached"] += 1
+
+    def _finish(self, whole: list[str], pieces: list[dict[str, torch.Tensor]]) -> None:
+        """A complete request equal to the samples `whole`: store the first one not stored yet, else a duplicate."""
+        free = self._free(whole)
+        if free:
+            self._emit(free[0], pieces)
+        else:
+            self.counts["duplicate"] += 1
 
     def _emit(self, sample_id: str, pieces: list[dict[str, torch.Tensor]]) -> None:
         ids, mask = self.expected.samples[sample_id]
@@ -252,15 +252,15 @@ class EngineSession:
         self.cfg = cfg
         self.out = Path(out or cfg.out)
         self.layer_names = {f"hidden.{k}" for k in cfg.layers}
-        storage = STORAGE_DTYPES[cfg.dtype]
+        storage = torch_dtype(cfg.dtype)
         meta = StoreMeta(model_id=cfg.model_id, model_fingerprint=cfg.fingerprint, layer_ids=list(cfg.layers),
-                         hidden_size=cfg.hidden_size, hidden_dtype=str(storage).split(".")[-1],
-                         teacher=TeacherSpec("hidden", 0).to_dict(), extra={"engine": cfg.engine})
+                         hidden_size=cfg.hidden_size, hidden_dtype=cfg.dtype,
+                         teacher=TeacherSpec(kind="hidden", k=0), extra={"engine": cfg.engine})
         self._lock = threading.Lock()  # the store: writer thread (add) vs flusher thread (flush)
         self.writer = StoreWriter(self.out, meta, shard_bytes=int(cfg.shard_mb * 2**20))
         self.matcher = Matcher(Expected(Path(cfg.out) / REQUESTS_NAME), self._add, self.writer.committed_ids)
         self.tap = Tap(self.layer_names | {"teacher", "input_ids"} | set(extra), sink=self._sink, storage_dtype=storage,
-                       teacher=TeacherSpec("hidden", 0), hidden_size=cfg.hidden_size)
+                       teacher=TeacherSpec(kind="hidden", k=0), hidden_size=cfg.hidden_size)
         self.skipped: Counter[str] = Counter()
         self.adapter_state: object = None  # an engine adapter's per-process hook state, if it needs one
         self._spans: dict[str, Span] = {}

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from hstap.capture.hooks import first_tensor
 from hstap.capture.tap import Tap
 from hstap.errors import HstapError
 
@@ -29,11 +30,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _first_tensor(output) -> torch.Tensor:
-    # transformers ≥ 5 decoder layers return a tensor; older ones a tuple whose first item is the hidden state.
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 @contextmanager
 def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind: str = "topk") -> Iterator[None]:
     """Register read-only forward hooks feeding `tap`; remove them however the block exits."""
@@ -43,7 +39,7 @@ def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind
     def layer_hook(name: str):
         def hook(module, args, output) -> None:
             if tap.active():
-                tap.record(name, _first_tensor(output))
+                tap.record(name, first_tensor(output))
         return hook
 
     try:

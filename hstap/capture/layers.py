@@ -1,8 +1,8 @@
 """Canonical layer ids — the one convention hstap stores and exports.
 
-hstap layer k = the residual stream after decoder layer k (0-based)
-              = transformers `output_hidden_states[k + 1]` (for k < L - 1; HF's last entry is post-norm)
-              = SGLang `output[0] + output[1]` of layer k = vLLM `aux_hidden_state_layers` id k + 1.
+Layer k (canonical) = the residual stream after decoder layer k (0-based)
+                    = transformers `output_hidden_states[k + 1]` (for k < L - 1; HF's last entry is post-norm)
+                    = SGLang `output[0] + output[1]` of layer k = vLLM `aux_hidden_state_layers` id k + 1.
 Convert at an engine adapter's edge only; everything inside hstap speaks canonical ids.
 """
 

@@ -17,7 +17,6 @@ Re-running resumes: samples already in the store are neither announced nor sent 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hstap.capture.config import RemoteCaptureConfig
 from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
 from hstap.errors import HstapError
 
@@ -81,18 +81,15 @@ def _send(client, url: str, model: str | None, sample) -> str | None:
     return None if r.status_code == 200 else f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
 
 
-def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", max_tokens: int = 2048,
-               limit: int | None = None, concurrency: int = 4, timeout: float = 600.0,
-               served_model: str | None = None) -> RemoteResult:
+def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
     """Announce, send and wait; see the module docstring."""
     import httpx
 
-    from hstap.capture.run import CaptureConfig, render_all
-    from hstap.data import SkipReport
+    from hstap.data import SkipReport, render_all
     from hstap.models import load_tokenizer
 
-    samples = render_all(CaptureConfig(data=data, out=capture_dir, max_tokens=max_tokens, limit=limit),
-                         load_tokenizer(model), SkipReport())
+    url, data, capture_dir, timeout = cfg.url, cfg.data, cfg.capture_dir, cfg.timeout
+    samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens, limit=cfg.limit)
     if not samples:
         raise HstapError(f"--data {data}: no usable conversations")
     done = _stored_ids(capture_dir)
@@ -100,8 +97,8 @@ def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", m
     announce(capture_dir, todo)
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=httpx.Timeout(min(timeout, 300.0), connect=10.0)) as client, \
-            ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), served_model, s), todo) if e]
+            ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+        failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), cfg.served_model, s), todo) if e]
     want = {s.id for s in samples}
     stored = _stored_ids(capture_dir)
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
@@ -111,24 +108,3 @@ def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", m
     engine = json.loads(report.read_text()) if report.exists() else {}
     return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
                         missing=sorted(want - stored), failed=failed, engine=engine)
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("capture-remote", help="prefill conversations through a tapped server (sglang, vllm, hf)")
-    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
-    p.add_argument("--data", required=True, help="jsonl:PATH (e.g. hstap synth's output), sharegpt or mt-bench")
-    p.add_argument("--capture-dir", type=Path, required=True, help="the directory the server's taps write")
-    p.add_argument("--model", default="smollm2", help="tokenizer: 'smollm2' or the served checkpoint dir")
-    p.add_argument("--served-model", default=None, help="the `model` field to send (default: none)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="longest sample, as for hstap capture")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-
-
-def run(args: argparse.Namespace) -> int:
-    result = run_remote(args.url, args.data, args.capture_dir, model=args.model, max_tokens=args.max_tokens,
-                        limit=args.limit, concurrency=args.concurrency, timeout=args.timeout,
-                        served_model=args.served_model)
-    print(result.summary())
-    return 0 if not result.missing and not result.failed else 1

@@ -14,39 +14,21 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
+from hstap.capture.config import CaptureConfig
 from hstap.capture.hf import hf_taps
 from hstap.capture.layers import parse_layers
-from hstap.capture.tap import STORAGE_DTYPES, Batch, Tap, TapReport, TeacherSpec
-from hstap.data import RenderedSample, SkipReport, open_source, render
+from hstap.capture.tap import Batch, Tap, TapReport
+from hstap.config import TeacherSpec, torch_dtype
+from hstap.data import RenderedSample, SkipReport, render_all
 from hstap.errors import HstapError
+from hstap.metrics import tokens_per_second
 from hstap.models import load_target, load_tokenizer
-from hstap.store import StoreMeta, StoreWriter, bytes_per_token, check_free_space
-
-
-class CaptureConfig(BaseModel):
-    """Everything a capture run depends on; `--plan` prints it resolved."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = "smollm2"
-    data: str = "sharegpt"
-    limit: int | None = Field(default=None, ge=1)
-    out: Path
-    layers: str = "auto"
-    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
-    teacher: str = "topk:32"
-    batch_tokens: int = Field(default=4096, gt=0)
-    max_tokens: int = Field(default=2048, gt=0)
-    overlong: Literal["truncate", "skip"] = "truncate"
-    device: str = "cpu"
-    shard_mb: float = Field(default=256, gt=0)
-    force: bool = False
+from hstap.store import StoreMeta, StoreWriter, bytes_per_token, capture_specs, check_free_space
 
 
 @dataclass
@@ -61,7 +43,7 @@ class CaptureResult:
     cleaned: list[str]
 
     def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        rate = tokens_per_second(self.tokens, self.seconds)
         lines = [
             f"captured {self.captured} samples ({self.tokens} tokens, {rate:.0f} tok/s) into {self.out}",
             f"resumed past {self.skipped_committed} already-committed samples" if self.skipped_committed else "",
@@ -70,18 +52,6 @@ class CaptureResult:
             f"removed leftovers of an interrupted run: {', '.join(self.cleaned)}" if self.cleaned else "",
         ]
         return "\n".join(line for line in lines if line)
-
-
-def render_all(cfg: CaptureConfig, tokenizer, report: SkipReport) -> list[RenderedSample]:
-    """Render every source record up front: exact token counts for the disk estimate, and early data errors."""
-    samples = []
-    for conv in open_source(cfg.data, report=report):
-        if cfg.limit is not None and len(samples) >= cfg.limit:
-            break  # `--limit N` means N usable samples, counted after rendering
-        sample = render(conv, tokenizer, max_tokens=cfg.max_tokens, overlong=cfg.overlong, report=report)
-        if sample is not None:
-            samples.append(sample)
-    return samples
 
 
 def make_batches(samples: list[RenderedSample], batch_tokens: int) -> Iterator[list[RenderedSample]]:
@@ -121,15 +91,16 @@ def _to_model_inputs(batch: list[RenderedSample], pad_id: int, device: str) -> t
 
 def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
     return StoreMeta(model_id=target.model_id, model_fingerprint=target.fingerprint, layer_ids=layer_ids,
-                     hidden_size=target.hidden_size, hidden_dtype=str(STORAGE_DTYPES[cfg.dtype]).split(".")[-1],
-                     teacher=teacher.to_dict(), extra={"data": cfg.data, "max_tokens": cfg.max_tokens})
+                     hidden_size=target.hidden_size, hidden_dtype=cfg.dtype, teacher=teacher,
+                     extra={"data": cfg.data, "max_tokens": cfg.max_tokens})
 
 
 def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     """Capture `cfg.data` through `cfg.model` into the store at `cfg.out` (resuming if it exists)."""
-    teacher = TeacherSpec.parse(cfg.teacher)
+    teacher = cfg.teacher
     report = SkipReport()
-    samples = render_all(cfg, load_tokenizer(cfg.model), report)
+    samples = render_all(cfg.data, load_tokenizer(cfg.model), report, max_tokens=cfg.max_tokens,
+                         overlong=cfg.overlong, limit=cfg.limit)
     if not samples:
         raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
     parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -143,14 +114,15 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
         if parallel:  # the other ranks run exactly these forwards
             torch.distributed.broadcast_object_list([[s.id for s in todo]], src=0)
         tokens = sum(len(s.input_ids) for s in todo)
-        per_token = _bytes_per_token(layer_ids, target.hidden_size, cfg.dtype, teacher)
+        per_token = bytes_per_token(capture_specs(layer_ids, target.hidden_size, cfg.dtype, teacher))
         print(f"hstap capture: {len(todo)} samples, {tokens} tokens to go; estimated disk use "
               f"{per_token * tokens / 2**20:.1f} MiB ({per_token} B/token) in {cfg.out}", flush=True)
         warning = check_free_space(cfg.out, per_token * tokens, cfg.force)
         if warning:
             print(f"hstap capture: warning: {warning}", flush=True)
         start = time.perf_counter()
-        tap_report = _prefill_with_tap(target, todo, layer_ids, teacher, cfg, sink=writer.add, progress=progress)
+        tap_report = prefill_with_tap(target, todo, layer_ids, teacher, writer.add, dtype=cfg.dtype,
+                                      batch_tokens=cfg.batch_tokens, device=cfg.device, progress=progress)
         seconds = time.perf_counter() - start
     return CaptureResult(out=cfg.out, captured=tap_report.samples_written, skipped_committed=len(samples) - len(todo),
                          tokens=tokens, seconds=seconds, data_report=report, tap_report=tap_report,
@@ -174,18 +146,19 @@ def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, rep
                          data_report=report, tap_report=TapReport(), cleaned=[])
 
 
-def _prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec,
-                      cfg: CaptureConfig, sink, progress: bool) -> TapReport:
-    """Prefill every sample in padded batches with the tap on; the tap's writer thread feeds `sink`."""
+def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec, sink,
+                     dtype: str = "bf16", batch_tokens: int = 4096, device: str = "cpu",
+                     progress: bool = True) -> TapReport:
+    """Prefill every sample in padded batches of at most `batch_tokens` with the tap on, storing hidden states
+    as `dtype`; the tap's writer thread feeds `sink(sample_id, tensors)`. Capture and online training share it."""
     names = {f"hidden.{k}" for k in layer_ids} | {"teacher"}
-    tap = Tap(names, sink=sink, storage_dtype=STORAGE_DTYPES[cfg.dtype], teacher=teacher,
-              hidden_size=target.hidden_size)
+    tap = Tap(names, sink=sink, storage_dtype=torch_dtype(dtype), teacher=teacher, hidden_size=target.hidden_size)
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
                disable=not progress)
     try:
         with hf_taps(target.model, tap, layer_ids, teacher.kind), torch.inference_mode():
-            for batch in make_batches(todo, cfg.batch_tokens):
-                inputs, layout = _to_model_inputs(batch, target.tokenizer.pad_token_id, cfg.device)
+            for batch in make_batches(todo, batch_tokens):
+                inputs, layout = _to_model_inputs(batch, target.tokenizer.pad_token_id, device)
                 tap.wait_capacity()
                 tap.begin(layout)
                 target.model(**inputs, use_cache=False)
@@ -195,18 +168,3 @@ def _prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], 
         report = tap.close()
         bar.close()
     return report
-
-
-def _bytes_per_token(layer_ids: list[int], hidden: int, dtype: str, teacher: TeacherSpec) -> int:
-    from hstap.store import TensorSpec
-
-    dt = str(STORAGE_DTYPES[dtype]).split(".")[-1]
-    specs = {f"hidden.{k}": TensorSpec(dtype=dt, shape=[hidden]) for k in layer_ids}
-    specs["input_ids"] = TensorSpec(dtype="int32", shape=[])
-    specs["loss_mask"] = TensorSpec(dtype="bool", shape=[])
-    if teacher.kind == "topk":
-        specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[teacher.k])
-        specs["teacher.topk_logprobs"] = TensorSpec(dtype="float16", shape=[teacher.k])
-    else:
-        specs["teacher.hidden"] = TensorSpec(dtype=dt, shape=[hidden])
-    return bytes_per_token(specs)

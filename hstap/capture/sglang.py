@@ -5,7 +5,7 @@
         --forward-hooks '[{"name": "hstap-layer-1", "target_modules": ["model.layers.1"],
                            "hook_factory": "hstap.capture.sglang:make_hook", "config": {...}}, ...]' \\
         --disable-radix-cache --cuda-graph-backend-prefill disabled
-    hstap capture-remote --url http://127.0.0.1:30000 --api sglang --data jsonl:synth.jsonl --capture-dir runs/sg
+    hstap capture-remote --url http://127.0.0.1:30000 --data jsonl:synth.jsonl --capture-dir runs/sg
 
 SGLang (0.5.23, `model_executor/hook_manager.py`) calls `make_hook(config)` once per spec in every TP worker and
 registers the returned hook with `module.register_forward_hook` on the modules the spec's fnmatch patterns name,

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
+
+from hstap.capture.config import SglangFlagsConfig
+from hstap.config import add_config_flags
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("sglang-flags", help="print SGLang's --forward-hooks JSON and the other flags capture needs")
-    p.add_argument("--model", required=True, help="'smollm2' or a checkpoint directory (reads its config.json)")
-    p.add_argument("--layers", default="auto", help="'auto' = [1, L//2-1, L-4] or canonical ids like 1,14,26")
-    p.add_argument("--out", type=Path, required=True, help="capture directory (the store the engine writes)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="hidden-state storage dtype")
-    p.add_argument("--shard-mb", type=float, default=64, help="shard size in MiB")
-    p.add_argument("--flush-s", type=float, default=1.0, help="commit buffered samples after this long idle")
-    p.add_argument("--json", action="store_true", help="print only the --forward-hooks JSON")
+def add_arguments(parser) -> None:
+    add_config_flags(parser, SglangFlagsConfig, "sglang-flags")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(cfg: SglangFlagsConfig) -> int:
+    from hstap.capture.engine import EngineCaptureConfig
     from hstap.capture.sglang import format_flags, hook_specs, sglang_flags
 
-    from hstap.capture.engine import EngineCaptureConfig
-
-    cfg = EngineCaptureConfig.for_checkpoint(args.model, args.layers, args.out, "sglang", args.dtype, args.shard_mb,
-                                             args.flush_s)
-    print(json.dumps(hook_specs(cfg)) if args.json else format_flags(sglang_flags(cfg)))
+    engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "sglang", cfg.dtype, cfg.shard_mb,
+                                                cfg.flush_s)
+    print(json.dumps(hook_specs(engine)) if cfg.as_json else format_flags(sglang_flags(engine)))
     return 0

@@ -24,37 +24,9 @@ from typing import Callable
 
 import torch
 
+from hstap.config import TeacherSpec
+
 Sink = Callable[[str, dict[str, torch.Tensor]], None]
-
-STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class TeacherSpec:
-    """What the trainer learns from. `topk`: the target's top-k log-probs (k int32 ids + k fp16 values per token);
-    `hidden`: the final normed hidden state (H values per token; the trainer applies the target's lm_head)."""
-
-    kind: str = "topk"
-    k: int = 32
-
-    @classmethod
-    def parse(cls, spec: str) -> "TeacherSpec":
-        from hstap.errors import HstapError
-
-        if spec == "hidden":
-            return cls(kind="hidden", k=0)
-        if spec.startswith("topk:"):
-            try:
-                k = int(spec.split(":", 1)[1])
-            except ValueError:
-                k = 0
-            if k > 0:
-                return cls(kind="topk", k=k)
-        raise HstapError(f"--teacher {spec!r}: expected 'topk:K' (e.g. topk:32) or 'hidden'")
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "k": self.k} if self.kind == "topk" else {"kind": "hidden"}
-
 
 @dataclass
 class Batch:

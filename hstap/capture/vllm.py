@@ -4,7 +4,7 @@
         --worker-extension-cls hstap.capture.vllm.HstapWorkerExtension --port 8000
     curl -s localhost:8000/collective_rpc -H 'content-type: application/json' \\
         -d "{\\"method\\": \\"install_taps\\", \\"args\\": [$(hstap sglang-flags ... )]}"   # see docs/engines.md
-    hstap capture-remote --url http://127.0.0.1:8000 --api openai --data jsonl:synth.jsonl --capture-dir runs/vl
+    hstap capture-remote --url http://127.0.0.1:8000 --data jsonl:synth.jsonl --capture-dir runs/vl
 
 or offline: `LLM(model, enforce_eager=True, enable_prefix_caching=False, worker_extension_cls=EXTENSION)`,
 `llm.collective_rpc("install_taps", args=(config_json,))`, `llm.generate(...)`, `llm.collective_rpc("remove_taps")`.

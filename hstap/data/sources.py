@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from hstap.data.jsonl import iter_jsonl
 from hstap.data.mtbench import load_mtbench
+from hstap.data.render import RenderedSample, render
 from hstap.data.sharegpt import iter_sharegpt
 from hstap.data.types import Conversation, SkipReport
 from hstap.errors import HstapError
@@ -31,3 +32,17 @@ def open_source(spec: str, limit: int | None = None, report: SkipReport | None =
     if limit is not None and limit < 0:
         raise HstapError(f"limit must be >= 0 or None, got {limit}")
     return itertools.islice(convs, limit)
+
+
+def render_all(spec: str, tokenizer, report: SkipReport, max_tokens: int, overlong: str = "truncate",
+               limit: int | None = None) -> list[RenderedSample]:
+    """Every usable conversation of `spec`, rendered up front (exact token counts for a disk estimate, data errors
+    before any model loads). `limit` counts usable samples, after rendering; every skip goes into `report`."""
+    samples = []
+    for conv in open_source(spec, report=report):
+        if limit is not None and len(samples) >= limit:
+            break
+        sample = render(conv, tokenizer, max_tokens=max_tokens, overlong=overlong, report=report)
+        if sample is not None:
+            samples.append(sample)
+    return samples

@@ -10,70 +10,9 @@ forward over all forwards, and τ per prompt).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-if TYPE_CHECKING:
-    from hstap.evaluate.run import EvalResult
-
-FORMAT = 1
-
-
-def _num(x: float) -> float | None:
-    """JSON has no NaN: undefined values (e.g. τ with no verification forward) become null."""
-    return None if isinstance(x, float) and math.isnan(x) else x
-
-
-def result_dict(result: "EvalResult") -> dict:
-    """Everything report.json holds: config, totals per method, per-prompt numbers."""
-    v = result.vanilla
-    shapes = []
-    for m in result.methods:
-        drafted = [d for g in m.generations for d in g.drafted]
-        shapes.append({
-            "shape": m.name, "label": m.shape.label, "tau": _num(m.tau), "verify_forwards": m.verify_forwards,
-            "tokens": m.tokens, "seconds": m.seconds, "tokens_per_second": m.tokens_per_second,
-            "speedup": _num(result.speedup(m)),
-            "acceptance_per_position": [_num(a) for a in m.acceptance_per_position()],
-            "tokens_per_forward_histogram": {str(k): n for k, n in m.tokens_per_forward().items()},
-            "mean_draft_tokens": sum(drafted) / len(drafted) if drafted else 0.0,
-            "greedy_matches_vanilla": result.greedy_matches(m),
-        })
-    per_prompt = []
-    for i, prompt in enumerate(result.prompts):
-        base = v.generations[i]
-        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids),
-               "vanilla": {"tokens": len(base.tokens), "seconds": base.seconds,
-                           "tokens_per_second": _tps(base)}}
-        for m in result.methods:
-            g = m.generations[i]
-            row[m.name] = {"tokens": len(g.tokens), "tau": _num(g.tau), "verify_forwards": g.verify_forwards,
-                           "seconds": g.seconds, "tokens_per_second": _tps(g),
-                           "speedup": _tps(g) / _tps(base) if _tps(base) > 0 else None,
-                           "matches_vanilla": g.tokens == base.tokens}
-        per_prompt.append(row)
-    return {
-        "hstap_eval": FORMAT,
-        "config": result.config,
-        "target": result.target,
-        "prompts": len(result.prompts),
-        "vanilla": {"tokens": v.tokens, "seconds": v.seconds, "tokens_per_second": v.tokens_per_second,
-                    "verify_forwards": v.verify_forwards},
-        "shapes": shapes,
-        "per_prompt": per_prompt,
-    }
-
-
-def _tps(g) -> float:
-    from hstap.metrics import tokens_per_second
-
-    return tokens_per_second(len(g.tokens), g.seconds)
+from hstap.plots import plt, save_figure
 
 
 def write_report(report: dict, out_dir: Path) -> list[Path]:
@@ -130,7 +69,7 @@ def plot_acceptance(report: dict, path: Path) -> Path:
         ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{s['label']} (τ {_fmt(s['tau'])})")
     ax.set_xlabel("draft position (depth)"), ax.set_ylabel("fraction of verifications accepting it")
     ax.set_ylim(0, 1), ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tau(report: dict, path: Path) -> Path:
@@ -147,11 +86,4 @@ def plot_tau(report: dict, path: Path) -> Path:
     left.set_xlabel("tokens per verification forward (accepted + bonus)"), left.set_ylabel("fraction of forwards")
     right.set_xlabel("τ per prompt"), right.set_ylabel("prompts")
     left.legend(fontsize=8), right.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -13,41 +13,23 @@ against one vanilla baseline without touching the disk.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
 from hstap.data import open_source, render_prompt
+from hstap.config import dtype_name
 from hstap.drafter import Eagle3Drafter
 from hstap.errors import HstapError
+from hstap.evaluate.config import EvalConfig
+from hstap.evaluate.report import write_report
+from hstap.evaluate.shapes import DraftShape
 from hstap.evaluate.spec import Generation, speculative_generate, vanilla_generate
-from hstap.evaluate.tree import DraftShape
 from hstap.metrics import acceptance_length, tokens_per_second
-
-
-class EvalConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = "smollm2"
-    drafter: Path
-    bench: str = "mt-bench"  # mt-bench | sharegpt | jsonl:PATH
-    limit: int | None = Field(default=None, ge=1)
-    shapes: list[str] = Field(default_factory=lambda: ["chain:3"], min_length=1)  # chain:K | tree:D,TOPK,N
-    temperature: float = Field(default=0.0, ge=0)
-    max_new_tokens: int = Field(default=128, ge=2)
-    warmup: int = Field(default=1, ge=0)  # untimed runs of every method on the first prompt
-    seed: int = 0
-    device: str = "cpu"
-    out: Path | None = None  # default: the drafter's run directory
-
-    @field_validator("shapes")
-    @classmethod
-    def _known_shapes(cls, shapes: list[str]) -> list[str]:
-        return [DraftShape.parse(s).spec for s in shapes]
 
 
 @dataclass
@@ -120,8 +102,7 @@ class EvalResult:
         return sum(g.tokens == v.tokens for g, v in zip(method.generations, self.vanilla.generations))
 
     def to_dict(self) -> dict:
-        from hstap.evaluate.report import result_dict
-
+        """Everything report.json holds."""
         return result_dict(self)
 
     def summary(self) -> str:
@@ -138,13 +119,57 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def stop_ids_of(model: torch.nn.Module, tokenizer) -> set[int]:
-    """Ids that end an answer: the generation config's eos id(s) and the tokenizer's eos."""
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+REPORT_FORMAT = 1
+
+
+def _num(x: float) -> float | None:
+    """JSON has no NaN: undefined values (e.g. τ with no verification forward) become null."""
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def result_dict(result: EvalResult) -> dict:
+    """Everything report.json holds: config, totals per method, per-prompt numbers."""
+    v = result.vanilla
+    shapes = []
+    for m in result.methods:
+        drafted = [d for g in m.generations for d in g.drafted]
+        shapes.append({
+            "shape": m.name, "label": m.shape.label, "tau": _num(m.tau), "verify_forwards": m.verify_forwards,
+            "tokens": m.tokens, "seconds": m.seconds, "tokens_per_second": m.tokens_per_second,
+            "speedup": _num(result.speedup(m)),
+            "acceptance_per_position": [_num(a) for a in m.acceptance_per_position()],
+            "tokens_per_forward_histogram": {str(k): n for k, n in m.tokens_per_forward().items()},
+            "mean_draft_tokens": sum(drafted) / len(drafted) if drafted else 0.0,
+            "greedy_matches_vanilla": result.greedy_matches(m),
+        })
+    per_prompt = []
+    for i, prompt in enumerate(result.prompts):
+        base = v.generations[i]
+        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids),
+               "vanilla": {"tokens": len(base.tokens), "seconds": base.seconds,
+                           "tokens_per_second": _tps(base)}}
+        for m in result.methods:
+            g = m.generations[i]
+            row[m.name] = {"tokens": len(g.tokens), "tau": _num(g.tau), "verify_forwards": g.verify_forwards,
+                           "seconds": g.seconds, "tokens_per_second": _tps(g),
+                           "speedup": _tps(g) / _tps(base) if _tps(base) > 0 else None,
+                           "matches_vanilla": g.tokens == base.tokens}
+        per_prompt.append(row)
+    return {
+        "hstap_eval": REPORT_FORMAT,
+        "config": result.config,
+        "target": result.target,
+        "prompts": len(result.prompts),
+        "vanilla": {"tokens": v.tokens, "seconds": v.seconds, "tokens_per_second": v.tokens_per_second,
+                    "verify_forwards": v.verify_forwards},
+        "shapes": shapes,
+        "per_prompt": per_prompt,
+    }
+
+
+def _tps(g: Generation) -> float:
+    return tokens_per_second(len(g.tokens), g.seconds)
+
 
 
 def load_prompts(bench: str, tokenizer, limit: int | None = None) -> list[Prompt]:
@@ -211,7 +236,6 @@ def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
 def run_eval(cfg: EvalConfig, progress: bool = True,
              on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None) -> EvalResult:
     """Load target + drafter, measure vanilla and every shape on the prompts, write the report."""
-    from hstap.evaluate.report import write_report
     from hstap.models import load_target
 
     target = load_target(cfg.model, device=cfg.device)
@@ -219,12 +243,12 @@ def run_eval(cfg: EvalConfig, progress: bool = True,
     prompts = load_prompts(cfg.bench, target.tokenizer, cfg.limit)
     shapes = [DraftShape.parse(s) for s in cfg.shapes]
     vanilla, methods = evaluate_shapes(target.model, drafter, prompts, shapes, cfg.max_new_tokens,
-                                       stop_ids_of(target.model, target.tokenizer), cfg.temperature, cfg.seed,
+                                       set(target.stop_ids), cfg.temperature, cfg.seed,
                                        cfg.warmup, progress, on_prompt)
-    result = EvalResult(config=cfg.model_dump(mode="json"),
+    result = EvalResult(config=cfg.resolved(),
                         target={"model_id": target.model_id, "fingerprint": target.fingerprint,
-                                "device": str(target.model.device), "dtype": str(target.model.dtype).removeprefix(
-                                    "torch."), "torch_threads": torch.get_num_threads()},
+                                "device": str(target.model.device), "dtype": dtype_name(target.model.dtype),
+                                "torch_threads": torch.get_num_threads()},
                         prompts=prompts, vanilla=vanilla, methods=methods)
     result.out_dir = Path(cfg.out or cfg.drafter)
     result.files = write_report(result.to_dict(), result.out_dir)

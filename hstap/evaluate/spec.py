@@ -25,10 +25,12 @@ import torch
 from transformers import DynamicCache
 
 from hstap.capture.hf import decoder_layers
+from hstap.capture.hooks import first_tensor
 from hstap.drafter import Eagle3Drafter
-from hstap.evaluate import drafting
+from hstap.evaluate import drafting  # the module: tests patch it
 from hstap.evaluate.sampling import choose_child, sample, target_probs
-from hstap.evaluate.tree import DraftShape, DraftTree, verify_mask
+from hstap.evaluate.shapes import DraftShape
+from hstap.evaluate.tree import DraftTree, verify_mask
 from hstap.metrics import acceptance_length
 
 
@@ -104,7 +106,7 @@ def aux_hooks(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[dict[int
 
     def hook_for(k: int):
         def hook(module, args, output) -> None:
-            seen[k] = output[0] if isinstance(output, (tuple, list)) else output  # (1, S, H)
+            seen[k] = first_tensor(output)  # (1, S, H)
         return hook
 
     handles = [layers[k].register_forward_hook(hook_for(k)) for k in sorted(set(layer_ids))]

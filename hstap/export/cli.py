@@ -1,12 +1,11 @@
-"""`hstap export --drafter DIR --format sglang|vllm --out DIR`: flags → export_drafter."""
+"""`hstap export --drafter DIR --format sglang|vllm --out DIR`: flags → ExportConfig → export_drafter."""
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
-from hstap.export.formats import DTYPES, FORMATS
+from hstap.config import add_config_flags
+from hstap.export.config import ExportConfig
 
 _SERVE_HINTS = {
     "sglang": "python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
@@ -17,26 +16,18 @@ _SERVE_HINTS = {
 }
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a trained drafter as an SGLang or vLLM EAGLE-3 draft checkpoint")
-    p.add_argument("--drafter", type=Path, required=True, help="training run directory (config.json + weights)")
-    p.add_argument("--format", dest="fmt", required=True, metavar="|".join(FORMATS),
-                   help=f"engine to load it: {', '.join(FORMATS)}")
-    p.add_argument("--out", type=Path, required=True, help="directory to create")
-    p.add_argument("--dtype", default="bfloat16", metavar="|".join(DTYPES), help="floating-point weight dtype")
-    p.add_argument("--with-embedding", action="store_true",
-                   help="also write embed_tokens.weight (only SGLang with pipeline parallelism reads it)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+def add_arguments(parser) -> None:
+    add_config_flags(parser, ExportConfig, "export")
 
 
-def run(args: argparse.Namespace) -> int:
-    from hstap.export import export_drafter
+def run(cfg: ExportConfig) -> int:
+    from hstap.export.write import export_drafter
 
-    out = export_drafter(args.drafter, args.fmt, args.out, dtype=args.dtype, include_embedding=args.with_embedding,
-                         force=args.force)
+    out = export_drafter(cfg.drafter, cfg.format, cfg.out, dtype=cfg.dtype, include_embedding=cfg.with_embedding,
+                         force=cfg.force)
     ids = json.loads((out / "hstap.json").read_text())
-    print(f"exported {args.drafter} as {args.fmt} ({args.dtype}) to {out}")
+    print(f"exported {cfg.drafter} as {cfg.format} ({cfg.dtype}) to {out}")
     print(f"  layer ids: canonical {ids['aux_layer_ids']} = SGLang {ids['engine_layer_ids']['sglang']} "
           f"= vLLM {ids['engine_layer_ids']['vllm']}")
-    print(f"  serve: {_SERVE_HINTS[args.fmt].format(out=out)}")
+    print(f"  serve: {_SERVE_HINTS[cfg.format].format(out=out)}")
     return 0

@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 
+from hstap.config import torch_dtype, torch_name
 from hstap.drafter.config import DrafterConfig
 from hstap.errors import HstapError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang registers only this name; vLLM maps it to Eagle3LlamaForCausalLM
 CHECKED_VERSIONS = {"sglang": "0.5.23", "vllm": "0.33.0"}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EMBEDDING = "embed_tokens.weight"
 
 
@@ -121,7 +121,7 @@ def _config(cfg: DrafterConfig, dtype: str) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "num_aux_hidden_states": len(canonical),  # fc's input width; both loaders read it before anything else
-        "dtype": dtype,
+        "dtype": torch_name(dtype),  # the HF config spelling (bfloat16), which both engines read
         # SGLang reads its ids only here; vLLM's V1 runner reads here only when the top-level key is absent
         "eagle_config": {"use_aux_hidden_state": True,
                          "eagle_aux_hidden_state_layer_ids": [_sglang_id(k) for k in canonical]},
@@ -148,16 +148,16 @@ def _tensors(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: torch.dt
 def _export(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str, include_embedding: bool,
             layer_ids: Callable[[list[int], int], list[int]]) -> tuple[dict, dict[str, torch.Tensor]]:
     layer_ids(cfg.aux_layer_ids, cfg.target_num_layers)  # refuses ids this engine cannot capture
-    return _config(cfg, dtype), _tensors(cfg, state, DTYPES[dtype], include_embedding)
+    return _config(cfg, dtype), _tensors(cfg, state, torch_dtype(dtype), include_embedding)
 
 
-def export_sglang(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str = "bfloat16",
+def export_sglang(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str = "bf16",
                   include_embedding: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """SGLang `LlamaForCausalLMEagle3`: config dict and tensors; refuses ids SGLang cannot capture."""
     return _export(cfg, state, dtype, include_embedding, sglang_layer_ids)
 
 
-def export_vllm(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str = "bfloat16",
+def export_vllm(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str = "bf16",
                 include_embedding: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """vLLM `Eagle3LlamaForCausalLM` (via `LlamaForCausalLMEagle3`): config dict and tensors."""
     return _export(cfg, state, dtype, include_embedding, vllm_layer_ids)

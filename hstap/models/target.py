@@ -17,10 +17,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hstap.errors import HstapError
+
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +45,19 @@ class Target:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return stop_ids(self.model, self.tokenizer)
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the generation config's eos id(s) plus the tokenizer's end-of-turn. Synth,
+    evaluation and the server all stop on exactly these."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids.add(tokenizer.eos_token_id)
+    return sorted(i for i in ids if i is not None)
 
 
 def cache_root() -> Path:
@@ -105,6 +120,7 @@ def _save_dequantized(model: torch.nn.Module, out: Path) -> None:
 
 
 def _convert_gguf(name: str, dest: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     package, gguf_file, model_id = EMBEDDED[name]
@@ -145,6 +161,16 @@ def resolve_model_dir(model: str) -> tuple[Path, str]:
     return path, str(path.resolve())
 
 
+def model_config(model: str) -> dict:
+    """The text model's config.json as a dict (a multimodal wrapper's nested `text_config`), no weights loaded."""
+    path, _ = resolve_model_dir(model)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HstapError(f"{path / 'config.json'}: not a readable JSON config ({exc})") from None
+    return config.get("text_config", config)
+
+
 def _quiet_transformers() -> None:
     # transformers' own per-load progress bars and advisory warnings would drown hstap's one-line errors and bars.
     from transformers.utils import logging
@@ -171,6 +197,7 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = Non
 
     `tensor_parallel`: under torchrun, split it over the ranks with transformers' own plan (`tp_plan="auto"`:
     attention heads and MLP columns; the residual stream and the logits come out whole on every rank)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()

@@ -2,47 +2,32 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import signal
 import threading
-from pathlib import Path
+
+from hstap.config import add_config_flags, plan_text
+from hstap.serve.config import ServeConfig
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="start an engine (with capture taps), wait until ready, watch for hangs",
-                       description="Everything after `--` goes to the engine unchanged (flags that break "
-                                   "capture are refused).")
-    p.add_argument("--engine", required=True, help="sglang | vllm | hf")
-    p.add_argument("--model", required=True, help="'smollm2' or a checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--capture-layers", default=None, help="'auto' or canonical ids like 1,14,26")
-    p.add_argument("--capture-dir", type=Path, default=None, help="store the engine's taps write (enables capture)")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/serve"), help="engine.log, stacks/ on a hang")
-    p.add_argument("--ready-timeout", type=float, default=1800, help="seconds until the engine must be ready")
-    p.add_argument("--stall-timeout", type=float, default=300,
-                   help="seconds without log output before ready that count as a hang (half with a core spinning)")
-    p.add_argument("--grace", type=float, default=10, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--command", default=None, help="program to run instead of the engine's launcher (a wrapper, "
-                                                   "container or test double); it gets the same arguments")
-    p.add_argument("--plan", action="store_true", help="print the engine command and exit")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then engine arguments")
+def add_arguments(parser) -> None:
+    parser.description = ServeConfig.__doc__.split("\n\n")[1].strip()
+    add_config_flags(parser, ServeConfig, "serve")
 
 
-def run(args: argparse.Namespace) -> int:
-    from hstap.serve.supervisor import ServeConfig, Supervisor, format_result
+def plan(cfg: ServeConfig) -> str:
+    """The resolved config and the exact engine command."""
+    from hstap.serve.supervisor import Supervisor
 
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    cfg = ServeConfig(engine=args.engine, model=args.model, host=args.host, port=args.port,
-                      capture_layers=args.capture_layers, capture_dir=args.capture_dir, run_dir=args.run_dir,
-                      ready_timeout=args.ready_timeout, stall_timeout=args.stall_timeout, grace_s=args.grace,
-                      command=shlex.split(args.command) if args.command else None, extra=extra)
+    argv, env = Supervisor(cfg).command()
+    return plan_text(cfg, "serve") + "# engine command:\n# " + " ".join(f"{k}={v}" for k, v in env.items()) + \
+        (" " if env else "") + shlex.join(argv) + "\n"
+
+
+def run(cfg: ServeConfig) -> int:
+    from hstap.serve.supervisor import Supervisor, format_result
+
     sup = Supervisor(cfg)
-    if args.plan:
-        argv, env = sup.command()
-        print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
-        return 0
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

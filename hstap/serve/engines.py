@@ -36,7 +36,8 @@ VLLM_REFUSED = {
     "-cc": "hooks need --enforce-eager (torch.compile ignores hooks added later)",
 }
 # flag -> the only value capture accepts
-SGLANG_MUST_BE = {"--pp-size": "1", "--attn-cp-size": "1", "--pipeline-parallel-size": "1"}
+SGLANG_MUST_BE = {"--pp-size": "1", "--attn-cp-size": "1", "--attention-context-parallel-size": "1",
+                  "--pipeline-parallel-size": "1"}
 VLLM_MUST_BE = {"--pipeline-parallel-size": "1", "-pp": "1"}
 
 
@@ -63,16 +64,30 @@ class EngineSpec:
         return [*(program or launcher), *args, *extra], env
 
 
+def _as_engine_reads_it(flag: str, spec: EngineSpec) -> str:
+    """The flag the engine's parser will take `flag` for: vLLM reads `--a_b` as `--a-b`, and both engines'
+    argparse accept an unambiguous prefix (`--enable-two-batch` = `--enable-two-batch-overlap`)."""
+    if spec.name == "vllm" and flag.startswith("--"):
+        flag = "--" + flag[2:].replace("_", "-")
+    if flag.startswith("--") and flag not in spec.refused and flag not in spec.must_be:
+        longer = [known for known in [*spec.refused, *spec.must_be] if known.startswith(flag)]
+        if len(longer) == 1 and len(flag) > 3:
+            return longer[0]
+    return flag
+
+
 def check_flags(spec: EngineSpec, extra: list[str]) -> None:
+    """Refuse engine flags that break capture, in any spelling the engine's own parser accepts."""
     for i, arg in enumerate(extra):
-        flag, _, inline = arg.partition("=")
+        given, _, inline = arg.partition("=")
+        flag = _as_engine_reads_it(given, spec)
         if flag in spec.refused:
-            raise HstapError(f"{spec.name} flag {flag} breaks capture: {spec.refused[flag]}; drop it or serve "
+            raise HstapError(f"{spec.name} flag {given} breaks capture: {spec.refused[flag]}; drop it or serve "
                              "without --capture-dir")
         if flag in spec.must_be:
             value = inline or (extra[i + 1] if i + 1 < len(extra) else "")
             if value != spec.must_be[flag]:
-                raise HstapError(f"{spec.name} flag {flag} {value}: capture needs {flag} {spec.must_be[flag]} "
+                raise HstapError(f"{spec.name} flag {given} {value}: capture needs {flag} {spec.must_be[flag]} "
                                  "(one writer per store sees every layer and every token)")
 
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 import uuid
-from pathlib import Path
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, session_for
+from hstap.capture.engine import EngineCaptureConfig, session_for
+from hstap.capture.hf_engine import HfEngineTaps
+from hstap.errors import HstapError
 
 
 class CompletionRequest(BaseModel):
@@ -58,64 +59,6 @@ def add_completions(app, model_name: str) -> None:
                           "total_tokens": gen.prompt_tokens + gen.completion_tokens}}
 
 
-class HfEngineTaps:
-    """Hooks on a transformers causal LM served by `hstap.synth.embedded.Engine`; `remove()` takes them off."""
-
-    def __init__(self, model: torch.nn.Module, session: EngineSession, layers: list[int]) -> None:
-        from hstap.capture.hf import decoder_layers
-
-        self.session = session
-        blocks = decoder_layers(model)
-        self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)]
-        self.handles += [blocks[k].register_forward_hook(self._layer_hook(k)) for k in layers]
-        self.handles.append(model.model.norm.register_forward_hook(self._norm_hook))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _pre_hook(self, module, args, kwargs) -> None:
-        try:
-            session = self.session
-            if session.active():
-                session.tap.end()
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            mask = kwargs.get("attention_mask")
-            if ids is None or ids.dim() != 2 or ids.shape[1] <= 1:
-                session.skip("decode")
-                return None
-            if mask is None:
-                mask = torch.ones_like(ids)
-            lengths = mask.sum(-1).tolist()  # the one host read, before the forward
-            width = ids.shape[1]
-            left = bool(mask[:, -1].all()) if ids.shape[0] else True
-            spans = [Span(start=width - n if left else 0, length=int(n), row=b) for b, n in enumerate(lengths) if n]
-            if spans:
-                session.begin(spans)
-                session.record("input_ids", ids[..., None])  # (B, P, 1): gathered like the hidden states
-        except Exception as exc:  # noqa: BLE001 — never raise into the forward
-            self.session.error(exc)
-        return None
-
-    def _layer_hook(self, k: int):
-        def hook(module, args, output) -> None:
-            try:
-                if self.session.active():
-                    self.session.record(f"hidden.{k}", output[0] if isinstance(output, (tuple, list)) else output)
-            except Exception as exc:  # noqa: BLE001
-                self.session.error(exc)
-            return None
-        return hook
-
-    def _norm_hook(self, module, args, output) -> None:
-        try:
-            if self.session.active():
-                self.session.record("teacher", output)
-        except Exception as exc:  # noqa: BLE001
-            self.session.error(exc)
-        return None
-
-
 def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8):
     """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given."""
     from hstap.serve.hf_server import create_app
@@ -131,26 +74,23 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from hstap.capture.engine import EngineCaptureConfig
+    from hstap.config import add_config_flags, config_from_args
     from hstap.models import load_target
+    from hstap.serve.config import HfServerConfig
 
-    ap = argparse.ArgumentParser(prog="python -m hstap.serve.hf_capture", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--name", default=None, help="model id to serve as (default: the target's model id)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--capture-layers", default=None, help="'auto' or canonical ids; omit to serve without taps")
-    ap.add_argument("--capture-dir", type=Path, default=None)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    args = ap.parse_args(argv)
-    print(f"hstap hf engine: loading {args.model}", flush=True)
-    target = load_target(args.model, device=args.device)
-    cfg = None
-    if args.capture_dir is not None:
-        cfg = EngineCaptureConfig.for_checkpoint(args.model, args.capture_layers or "auto", args.capture_dir, "hf",
-                                                 args.dtype)
-        print(f"hstap hf engine: capturing layers {cfg.layers} into {cfg.out}", flush=True)
+    parser = argparse.ArgumentParser(prog="python -m hstap.serve.hf_capture", description=__doc__.splitlines()[0])
+    add_config_flags(parser, HfServerConfig, "hf-server")
+    try:
+        args = config_from_args(parser.parse_args(argv))
+        print(f"hstap hf engine: loading {args.model}", flush=True)
+        target = load_target(args.model, device=args.device)
+        cfg = None
+        if args.capture_dir is not None:
+            cfg = EngineCaptureConfig.for_checkpoint(args.model, args.capture_layers or "auto", args.capture_dir,
+                                                     "hf", args.dtype)
+            print(f"hstap hf engine: capturing layers {cfg.layers} into {cfg.out}", flush=True)
+    except HstapError as exc:
+        sys.exit(f"hstap hf engine: error: {exc}")
     name = args.name or target.model_id
     app = create_capture_app(target, name, cfg, max_batch=args.max_batch)
     print(f"hstap hf engine: warmup done, serving {name} on http://{args.host}:{args.port}", flush=True)

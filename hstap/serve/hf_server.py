@@ -12,7 +12,6 @@ capture renders them. Requests that arrive together are decoded as one batch by 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 import uuid
@@ -107,27 +106,10 @@ def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
+    """The same server as `python -m hstap.serve.hf_capture` (which adds token-id completions, and taps on request)."""
+    from hstap.serve.hf_capture import main as serve
 
-    import uvicorn
-
-    from hstap.models import load_target
-
-    ap = argparse.ArgumentParser(prog="python -m hstap.serve.hf_server", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="'smollm2' (embedded) or a transformers checkpoint dir")
-    ap.add_argument("--name", default=None, help="model id to serve as (default: the target's model id)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    args = ap.parse_args(argv)
-    try:
-        target = load_target(args.model, device=args.device)
-    except HstapError as exc:
-        sys.exit(f"hf_server: error: {exc}")
-    app = create_app(target, args.name or target.model_id, max_batch=args.max_batch)
-    print(f"hstap hf_server: serving {args.name or target.model_id} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(argv)
 
 
 if __name__ == "__main__":

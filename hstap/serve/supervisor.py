@@ -1,8 +1,9 @@
 """Start an engine, tell when it is ready, catch a hang, and always stop it completely.
 
-    from hstap.serve.supervisor import ServeConfig, Supervisor
+    from hstap.serve.config import ServeConfig
+    from hstap.serve.supervisor import Supervisor
     sup = Supervisor(ServeConfig(engine="hf", model="smollm2", port=8000, run_dir=Path("runs/serve")))
-    sup.start(); sup.wait_ready(); ...; result = sup.stop()          # or: result = sup.run() until Ctrl-C
+    sup.start(); sup.wait_ready(); ...; result = sup.stop()          # `hstap serve` adds sup.watch() until Ctrl-C
 
 The engine runs in its own process group; its output is teed to `RUN_DIR/engine.log` and echoed as progress with
 the phase (`loading`, `warmup`, `ready`). Ready means the engine's own ready line and then `GET /health` = 200.
@@ -26,33 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field
 
 from hstap.errors import HstapError
+from hstap.serve.config import ServeConfig
 from hstap.serve.engines import engine_spec
 
 PHASES = [("ready", None), ("warmup", re.compile(r"warm ?up|capture cuda graph|cuda graph", re.I)),
           ("loading", re.compile(r"load|weight|shard|init", re.I))]
-
-
-class ServeConfig(BaseModel):
-    """What `hstap serve` runs and how long it waits."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    engine: str
-    model: str
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, gt=0, lt=65536)
-    capture_layers: str | None = None
-    capture_dir: Path | None = None
-    run_dir: Path = Path("runs/serve")
-    ready_timeout: float = Field(default=1800, gt=0)
-    stall_timeout: float = Field(default=300, gt=0)
-    grace_s: float = Field(default=10, ge=0)
-    command: list[str] | None = None  # run this instead of the engine's launcher (wrappers, containers, tests)
-    extra: list[str] = Field(default_factory=list)
-    echo: bool = True
 
 
 @dataclass

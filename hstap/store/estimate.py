@@ -37,23 +37,25 @@ def bytes_per_token(tensors: dict[str, TensorSpec]) -> int:
 def conventional_specs(meta: StoreMeta) -> dict[str, TensorSpec]:
     """The specs a conventional capture writes, known before the first sample (for `--plan` estimates).
 
-    Teacher kinds: `{"kind": "topk", "k": K}` (ids int32, logprobs in `teacher["dtype"]`, default float16 as
-    the capture tap stores them),
-    `{"kind": "hidden"}` (the final hidden state in the hidden dtype), or `{"kind": "none"}`.
+    Teachers: `topk:K` (K int32 ids and K fp16 log-probs, as the capture tap stores them) or `hidden` (the final
+    hidden state in the hidden dtype).
     """
     specs = {"input_ids": TensorSpec(dtype="int32", shape=[]), "loss_mask": TensorSpec(dtype="bool", shape=[])}
     for k in meta.layer_ids:
         specs[f"hidden.{k}"] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
-    kind = meta.teacher.get("kind", "none")
-    if kind == "topk":
-        k = int(meta.teacher["k"])
-        specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[k])
-        specs["teacher.topk_logprobs"] = TensorSpec(dtype=meta.teacher.get("dtype", "float16"), shape=[k])
-    elif kind == "hidden":
+    if meta.teacher.kind == "topk":
+        specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[meta.teacher.k])
+        specs["teacher.topk_logprobs"] = TensorSpec(dtype="fp16", shape=[meta.teacher.k])
+    else:
         specs["teacher.hidden"] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
-    elif kind != "none":
-        raise HstapError(f"teacher.kind={kind!r} is unknown: use one of 'topk', 'hidden', 'none'")
     return specs
+
+
+def capture_specs(layer_ids: list[int], hidden_size: int, dtype: str, teacher) -> dict[str, TensorSpec]:
+    """`conventional_specs` before any StoreMeta exists: what a capture of these layers and teacher writes."""
+    meta = StoreMeta(model_id="", model_fingerprint="", layer_ids=layer_ids, hidden_size=hidden_size,
+                     hidden_dtype=dtype, teacher=teacher)
+    return conventional_specs(meta)
 
 
 def _existing_parent(path: Path) -> Path:

@@ -13,11 +13,9 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from hstap.config import LEGACY_DTYPES, Dtype, TeacherSpec, dtype_name, torch_dtype  # noqa: F401 — re-exported
 from hstap.errors import HstapError
 
 SCHEMA_VERSION = 1
@@ -33,9 +31,14 @@ class StoreMeta(BaseModel):
     model_fingerprint: str
     layer_ids: list[int]
     hidden_size: int
-    hidden_dtype: Literal["bfloat16", "float32", "float16"]
-    teacher: dict
+    hidden_dtype: Dtype
+    teacher: TeacherSpec
     extra: dict = Field(default_factory=dict)
+
+    @field_validator("hidden_dtype", mode="before")
+    @classmethod
+    def _short_dtype(cls, value):
+        return LEGACY_DTYPES.get(value, value)  # stores written before 2026-12 spell it `bfloat16`
 
 
 class TensorSpec(BaseModel):
@@ -45,6 +48,11 @@ class TensorSpec(BaseModel):
 
     dtype: str
     shape: list[int]
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _short_dtype(cls, value):
+        return LEGACY_DTYPES.get(value, value)
 
 
 class SampleEntry(BaseModel):
@@ -96,19 +104,6 @@ class Manifest(BaseModel):
 def now_iso() -> str:
     """UTC timestamp to the second, the format manifests use."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> "bfloat16": the spelling manifests use."""
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """Inverse of `dtype_name`."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise HstapError(f"unknown dtype {name!r} in store manifest")
-    return dtype
 
 
 def fsync_dir(path: Path) -> None:

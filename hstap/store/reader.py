@@ -196,7 +196,7 @@ def store_info(path: Path | str) -> dict[str, Any]:
         "layer_ids": meta.layer_ids,
         "hidden_size": meta.hidden_size,
         "hidden_dtype": meta.hidden_dtype,
-        "teacher": meta.teacher,
+        "teacher": str(meta.teacher),
         "tensors": {n: f"{s.dtype}{s.shape}" for n, s in manifest.tensors.items()},
         "bytes_per_token": totals.bytes / totals.tokens if totals.tokens else 0.0,
         "bytes_on_disk": on_disk,

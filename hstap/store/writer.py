@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from hstap.errors import HstapError
+from hstap.faults import fault_point
 from hstap.store.estimate import bytes_per_token
 from hstap.store.manifest import (
     MANIFEST_NAME,
@@ -168,6 +169,7 @@ class StoreWriter:
         digest = hashlib.sha256(data).hexdigest()
         file = shard_name(self._next_index)
         atomic_write(self.path / file, data)
+        fault_point("shard-renamed")
         shard = ShardInfo(file=file, sha256=digest, bytes=len(data), num_tokens=offset, samples=entries)
         old = self.manifest
         t = old.totals
@@ -179,6 +181,7 @@ class StoreWriter:
         self._next_index += 1
         self.committed_ids |= self._buffered_ids
         self._entries, self._buffered_ids, self._rows = [], set(), 0
+        fault_point("shard-committed")
 
 
 def _lock(path: Path) -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from hstap.config import option
 
 
 class SynthConfig(BaseModel):
@@ -17,27 +19,29 @@ class SynthConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data: str = "sharegpt"
-    out: Path
-    model: str | None = None
-    servers: list[str] = Field(default_factory=list)
-    limit: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(default=512, ge=1)
-    turns: Literal["first", "all"] = "first"
-    concurrency: int | None = Field(default=None, ge=1)
-    seed: int = 0
-    drop_truncated: bool = False
-    # embedded backend
-    device: str = "cpu"
-    batch_size: int = Field(default=16, ge=1)
-    cuda_graphs: bool | None = None  # None: on CUDA only
-    compile_step: bool = False  # torch.compile the decode step (GPU: faster after ~1 min of compiling)
-    # server backend
-    timeout: float = Field(default=120.0, gt=0)
-    retries: int = Field(default=3, ge=0)
-    backoff: float = Field(default=0.5, ge=0)
+    model: str | None = option(None, "embedded: 'smollm2' or a checkpoint dir; with --server: the model id the "
+                                     "servers must serve")
+    servers: list[str] = option(default_factory=list, help="an OpenAI-compatible server (repeat for round-robin "
+                                                           "over several)", flag="--server", metavar="URL")
+    data: str = option("sharegpt", "sharegpt | mt-bench | jsonl:PATH")
+    out: Path = option(help="output FILE.jsonl (re-run to resume)")
+    limit: int | None = option(None, "use the first N usable conversations", ge=1)
+    temperature: float = option(0.0, "0 = greedy", ge=0.0, le=2.0)
+    top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    max_new_tokens: int = option(512, "longest answer, per turn", ge=1)
+    turns: Literal["first", "all"] = option("first", "answer the first user turn or all of them")
+    concurrency: int | None = option(None, "conversations in flight (default: 8 per server, or two embedded "
+                                           "batches)", ge=1)
+    seed: int = option(0, "sampling seed (per conversation and turn)")
+    drop_truncated: bool = option(False, "drop answers cut at --max-new-tokens")
+    device: str = option("cpu", "embedded: cpu | cuda | cuda:N")
+    batch_size: int = option(16, "embedded: rows per decode batch", ge=1)
+    cuda_graphs: bool | None = option(None, "embedded: replay the decode step as a CUDA graph (default: on CUDA)")
+    compile_step: bool = option(False, "embedded on a GPU: torch.compile the decode step (faster; ~1 min of "
+                                       "compiling per batch size and cache-length bucket)")
+    timeout: float = option(120.0, "server: seconds per request", gt=0)
+    retries: int = option(3, "server: retries on 5xx, 429, timeouts, connection errors", ge=0)
+    backoff: float = option(0.5, "server: first retry delay in seconds (doubles each retry)", ge=0)
 
     @model_validator(mode="after")
     def _one_backend(self) -> "SynthConfig":

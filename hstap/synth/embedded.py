@@ -23,6 +23,8 @@ from typing import Literal, Protocol
 import torch
 
 from hstap.errors import HstapError
+from hstap.models.target import stop_ids
+from hstap.synth.static import StaticStepper, left_pad, positions_from_mask
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,6 @@ class Stepper(Protocol):
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B] just picked -> next-token logits [B, V] fp32."""
         ...
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask), both [B, P]: each prompt right-aligned so that every row's next token is at column P."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, longest - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[B, P] 0/1 mask -> [B, P] position ids counting real tokens only (padding gets 0, as `generate` does)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
 class EagerStepper:
@@ -162,14 +148,6 @@ def _finish(rows: list[list[int]], requests: list[Request], stops: set[int]) -> 
     return gens
 
 
-def stop_ids_of(model: torch.nn.Module, tokenizer) -> list[int]:
-    """The ids that end an answer: the generation config's eos id(s) plus the tokenizer's end-of-turn."""
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    ids.add(tokenizer.eos_token_id)
-    return sorted(i for i in ids if i is not None)
-
-
 @dataclass
 class _Job:
     request: Request
@@ -193,7 +171,7 @@ class Engine:
         self.model, self.tokenizer, self.max_batch = target.model, target.tokenizer, max_batch
         self.device = next(self.model.parameters()).device
         self.pad_id = self.tokenizer.pad_token_id
-        self.stop_ids = stop_ids_of(self.model, self.tokenizer)
+        self.stop_ids = stop_ids(self.model, self.tokenizer)
         self.max_len = max_len or int(getattr(self.model.config, "max_position_embeddings", 8192))
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.stepper = self._make_stepper(use_graphs, compile_step)
@@ -207,7 +185,6 @@ class Engine:
     def _make_stepper(self, use_graphs: bool, compile_step: bool) -> Stepper:
         if not (use_graphs or compile_step):
             return EagerStepper(self.model)
-        from hstap.synth.static import StaticStepper
 
         return StaticStepper(self.model, batch_size=self.max_batch, max_len=self.max_len, pad_id=self.pad_id,
                              cuda_graphs=use_graphs and self.device.type == "cuda", compile_step=compile_step)

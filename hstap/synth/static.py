@@ -51,6 +51,22 @@ def _register_decode_attention() -> None:
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both [B, P]: each prompt right-aligned so that every row's next token is at column P."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, longest - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, P] 0/1 mask -> [B, P] position ids counting real tokens only (padding gets 0, as `generate` does)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 class StaticKV:
     """One preallocated `[B, H_kv, L, D]` key and value buffer per layer; `update` writes at `self.index`.
 
@@ -114,7 +130,6 @@ class StaticStepper:
         the static cache: the first token is generate's, and prefill hooks see an ordinary padded batch."""
         from transformers import DynamicCache
 
-        from hstap.synth.embedded import positions_from_mask
 
         rows, width = ids.shape  # [B, P]
         if rows > self.batch_size:

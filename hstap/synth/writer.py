@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from hstap.errors import HstapError
+from hstap.faults import fault_point
 
 _TAIL_CHUNK = 1 << 16
 
@@ -102,6 +103,7 @@ class SynthWriter:
         if self._unsynced >= self.fsync_every:
             os.fsync(self._fd)
             self._unsynced = 0
+        fault_point("record-written")
 
     def fail(self, record_id: str, reason: str, **extra: object) -> None:
         """Append `{"id", "reason", ...extra}` to the failed file."""

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from hstap.capture.tap import TeacherSpec
+from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
 
@@ -75,13 +75,12 @@ class OnlineSource:
         self.device = device
 
     def fetch(self, indices: list[int]) -> list[dict]:
-        from hstap.capture.run import CaptureConfig, _prefill_with_tap
+        from hstap.capture.run import prefill_with_tap
 
         got: dict[str, dict] = {}
-        cfg = CaptureConfig(out="/unused", dtype=self.dtype, batch_tokens=10**9, device=self.device)
         todo = [self.samples[i] for i in indices]
-        report = _prefill_with_tap(self.target, todo, self.layer_ids, self.teacher, cfg,
-                                   sink=lambda sid, t: got.__setitem__(sid, t), progress=False)
+        report = prefill_with_tap(self.target, todo, self.layer_ids, self.teacher, got.__setitem__, dtype=self.dtype,
+                                  batch_tokens=10**9, device=self.device, progress=False)
         if report.errors or len(got) != len(todo):
             raise HstapError(f"online capture failed: {report.summary()}")
         return [_as_store_sample(sid, got[sid], self.layer_ids) for sid in (s.id for s in todo)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hstap.train.data import SampleSource, plan_batches
-from hstap.train.ttt import collate, estimated_tau, ttt_forward
+from hstap.train.ttt import autocast, collate, estimated_tau, ttt_forward
 
 
 @torch.no_grad()
@@ -25,8 +25,7 @@ def evaluate_heldout(drafter, source: SampleSource, indices: list[int], layer_id
     runs, oks = [], []
     for batch_idx in plan_batches(indices, source.lengths, cfg.batch_tokens, seed=0, epoch=0):
         batch = collate(source.fetch(batch_idx), layer_ids).to(device)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-        with autocast:
+        with autocast(device):
             out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay)
         weights = [cfg.decay ** k for k in range(steps)]
         loss_sum += sum(w * l * n for w, l, n in zip(weights, out.step_losses, out.step_counted))

@@ -17,46 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, target_to_draft_ids
+from hstap.config import TeacherSpec
 from hstap.errors import HstapError
 from hstap.metrics import tokens_per_second
 from hstap.train import checkpoint, distributed
+from hstap.train.config import TrainConfig
 from hstap.train.data import OnlineSource, SampleSource, StoreSource, plan_batches, split_heldout
 from hstap.train.heldout import evaluate_heldout
 from hstap.train.ttt import TTTModel, batch_tensors, collate
-
-
-class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    store: Path | None = None
-    online: bool = False
-    model: str = "smollm2"
-    data: str = "sharegpt"
-    limit: int | None = Field(default=None, ge=1)
-    layers: str = "auto"
-    max_tokens: int = Field(default=1024, gt=0)
-    out: Path
-    epochs: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-3, gt=0)
-    warmup_ratio: float = Field(default=0.05, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=0.5, gt=0)
-    batch_tokens: int = Field(default=4096, gt=0)
-    grad_accum: int = Field(default=1, ge=1)  # batches per rank per optimizer step
-    ttt_steps: int = Field(default=7, ge=1)
-    decay: float = Field(default=0.8, gt=0, le=1)
-    draft_vocab: int | None = Field(default=None, ge=1)
-    heldout: float = Field(default=0.05, ge=0, lt=1)
-    seed: int = 0
-    device: str = "cpu"
-    checkpoint_every: int = Field(default=200, ge=1)
-    max_steps: int | None = Field(default=None, ge=1)
-    time_budget_s: float | None = Field(default=None, gt=0)  # shorten the run to fit (see fit_to_budget)
-    resume: bool = False
+from hstap.train.ttt import autocast as ttt_autocast
 
 
 @dataclass
@@ -79,20 +51,20 @@ class TrainResult:
                 f"estimated τ by chain length {{{tau}}}")
 
 
-def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], dict]:
+def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], TeacherSpec]:
     """The sample source, its canonical layer ids and the teacher spec, checked against the target."""
     from hstap.capture.layers import parse_layers
 
     if cfg.online:
-        from hstap.capture.run import CaptureConfig, render_all
-        from hstap.data import SkipReport
+        from hstap.data import SkipReport, render_all
 
         layer_ids = parse_layers(cfg.layers, target.num_layers)
-        capture_cfg = CaptureConfig(out="/unused", data=cfg.data, limit=cfg.limit, max_tokens=cfg.max_tokens)
-        samples = render_all(capture_cfg, target.tokenizer, SkipReport())
+        report = SkipReport()
+        samples = render_all(cfg.data, target.tokenizer, report, max_tokens=cfg.max_tokens, limit=cfg.limit)
         if not samples:
-            raise HstapError(f"--data {cfg.data}: no usable conversations")
-        return OnlineSource(target, samples, layer_ids, device=cfg.device), layer_ids, {"kind": "topk", "k": 32}
+            raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
+        teacher = TeacherSpec()
+        return OnlineSource(target, samples, layer_ids, teacher=teacher, device=cfg.device), layer_ids, teacher
     from hstap.store import open_store
 
     store = open_store(cfg.store)
@@ -104,8 +76,6 @@ def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], dic
                          f"{meta.model_fingerprint}), --model {cfg.model} has fingerprint {target.fingerprint}")
     if meta.hidden_size != target.hidden_size:
         raise HstapError(f"store {cfg.store}: hidden_size={meta.hidden_size}, the target's is {target.hidden_size}")
-    if "kind" not in meta.teacher:
-        raise HstapError(f"store {cfg.store}: manifest meta.teacher has no 'kind': re-capture with --teacher")
     _check_store_tensors(cfg.store, store.manifest, meta.layer_ids)
     if cfg.limit is not None and cfg.limit < len(store):
         raise HstapError(f"--limit {cfg.limit} is for --online; train on a store of that size instead")
@@ -115,7 +85,7 @@ def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], dic
 def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
     names = set(manifest.tensors)
     needed = {"input_ids", "loss_mask", *(f"hidden.{k}" for k in layer_ids)}
-    teacher = {"teacher.topk_ids", "teacher.topk_logprobs"} if manifest.meta.teacher.get("kind") == "topk" \
+    teacher = {"teacher.topk_ids", "teacher.topk_logprobs"} if manifest.meta.teacher.kind == "topk" \
         else {"teacher.hidden"}
     missing = sorted((needed | teacher) - names)
     if missing:
@@ -135,12 +105,10 @@ def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
     vocab = target.model.config.vocab_size
-    size = cfg.draft_vocab or min(32000, vocab)
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for i in tqdm(train_idx, desc="draft vocab", unit="sample", leave=False, disable=len(train_idx) < 2000):
-        ids, mask = source.token_masks(i)
-        counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
-    d2t, t2d = build_draft_vocab(counts, size)
+    size = min(cfg.draft_vocab, vocab)
+    masks = (dict(zip(("input_ids", "loss_mask"), source.token_masks(i)))
+             for i in tqdm(train_idx, desc="draft vocab", unit="sample", leave=False, disable=len(train_idx) < 2000))
+    d2t, t2d = build_draft_vocab(count_tokens(masks, vocab), size)
     dcfg = DrafterConfig.from_target(target.model.config, layer_ids, size, target.model_id, target.fingerprint)
     torch.manual_seed(cfg.seed)
     drafter = Eagle3Drafter(dcfg)
@@ -194,13 +162,17 @@ def fit_to_budget(total: int, step: int, seconds_per_step: float, seconds_left: 
     """The step count that ends the run about when the budget does. The LR schedule is fitted to it before step 1,
     so a budgeted run warms up and decays fully instead of being cut off mid-schedule. Held-out evaluations at
     epoch ends come on top of the estimate."""
+    if step >= total:
+        return total  # nothing left to fit: a finished run stays finished
     return max(step + 1, min(total, step + int(seconds_left / seconds_per_step)))
 
 
 def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
-    """Train a drafter; see the module docstring. Rank 0 writes the run directory."""
+    """Train a drafter; see the module docstring. Rank 0 writes the run directory. Sizes left unset in `cfg` are
+    filled in for its device first (TrainConfig.sized_for_device)."""
     from hstap.models import load_target
 
+    cfg = cfg.sized_for_device()
     dist = distributed.setup(cfg.device)
     device = dist.device
     if cfg.online and cfg.store is not None:
@@ -209,7 +181,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
     target = load_target(cfg.model, device="cpu" if not cfg.online else cfg.device)
     source, layer_ids, teacher = _open_source(cfg, target)
-    if teacher.get("kind") == "topk" and teacher.get("k", 0) < 1:
+    if teacher.kind == "topk" and teacher.k < 1:
         raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
     if cfg.resume:
         _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint)
@@ -255,10 +227,10 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log.write({"kind": "eval", "epoch": 0, "step": 0, **initial})
     state.initial_heldout = initial
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")  # as in heldout.py
+    autocast = ttt_autocast(device)
     total_steps = schedule.total  # a resumed budgeted run keeps the schedule it was fitted to
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
-    start, tokens_this_run = time.perf_counter(), 0
+    start, tokens_this_run, first_step = time.perf_counter(), 0, state.step
     if cfg.time_budget_s and not schedule.fitted:
         mine = epoch_plan(state.epoch)[dist.rank::dist.world_size]
         seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast))
@@ -289,6 +261,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                        "grad_norm": grad_norm, "tokens_per_s": rate})
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
+            if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
+                _say_how_long(cfg, time.perf_counter() - start, ETA_AFTER_STEPS, total_steps - state.step)
             if state.step % cfg.checkpoint_every == 0:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
         if state.step_in_epoch >= len(plan) // batches_per_step:
@@ -309,6 +283,20 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         plot_metrics(out / "metrics.jsonl", out)
     dist.barrier()
     return TrainResult(out, state.step, state.train_tokens, time.perf_counter() - start, last_eval, initial, drafter)
+
+
+ETA_AFTER_STEPS = 3  # steps timed before the run says how long it will take
+LONG_RUN_S = 600  # past this, the estimate comes with the flags that shrink the run
+
+
+def _say_how_long(cfg: TrainConfig, seconds: float, steps: int, steps_left: int) -> None:
+    """One line, early: how long the run will take, and on a long run which flags make it shorter."""
+    eta = seconds / steps * steps_left
+    line = f"hstap train: ~{seconds / steps:.2f} s/step, {steps_left} steps to go ≈ {eta / 60:.0f} min"
+    if eta > LONG_RUN_S and not cfg.time_budget_s:
+        line += (" (held-out evaluations extra); shorter: --time-budget 10m, --max-steps, --limit, --max-tokens, "
+                 f"--ttt-steps (now {cfg.ttt_steps}), --draft-vocab (now {cfg.draft_vocab})")
+    tqdm.write(line)
 
 
 def _accumulate(model: torch.nn.Module, source: SampleSource, batches: list[list[int]], layer_ids: list[int],

@@ -36,6 +36,11 @@ class TTTBatch:
         return int(self.valid.sum())
 
 
+def autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA, a no-op elsewhere: training steps and held-out evaluation run under the same one."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
     """Store-format samples (see hstap.store) → one right-padded TTTBatch."""
     longest = max(s["input_ids"].numel() for s in samples)

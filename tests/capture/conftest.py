@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from hstap.capture.run import CaptureConfig, render_all
 from hstap.cli import main
-from hstap.data import SkipReport
+from hstap.data import SkipReport, render_all
 
 LAYERS = "1,14,29"  # 29 = the last layer: in SGLang 0.5.23 its residual comes from model.norm
 MAX_TOKENS = 256
@@ -38,5 +37,4 @@ def convs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def samples(convs, tokenizer):
-    cfg = CaptureConfig(data=f"jsonl:{convs[0]}", out="/unused", max_tokens=MAX_TOKENS)
-    return render_all(cfg, tokenizer, SkipReport())
+    return render_all(f"jsonl:{convs[0]}", tokenizer, SkipReport(), max_tokens=MAX_TOKENS)

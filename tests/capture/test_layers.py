@@ -1,6 +1,6 @@
 import pytest
 
-from hstap.capture import default_layers, parse_layers
+from hstap.capture.layers import default_layers, parse_layers
 from hstap.errors import HstapError
 
 

@@ -7,23 +7,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from hstap.capture.run import CaptureConfig, render_all
 from hstap.cli import main
-from hstap.data import SkipReport
+from hstap.data import SkipReport, render_all
 from hstap.store import open_store, verify_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _expected(tokenizer, limit, max_tokens=256):
-    cfg = CaptureConfig(out="/unused", limit=limit, max_tokens=max_tokens)
-    return render_all(cfg, tokenizer, SkipReport())
+    return render_all("sharegpt", tokenizer, SkipReport(), max_tokens=max_tokens, limit=limit)
 
 
 def _capture_args(out, limit, *extra):
@@ -120,35 +118,40 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "sharegpt" in capsys.readouterr().err
 
 
-def test_plan_prints_resolved_config(tmp_path, capsys):
+def test_plan_prints_resolved_config_as_a_config_file(tmp_path, capsys):
+    """`--plan` resolves `auto` against the model and prints YAML that `--config` reads back unchanged."""
     assert main(_capture_args(tmp_path / "s", 3, "--plan")) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["limit"] == 3 and plan["layers"] == "auto" and not (tmp_path / "s").exists()
+    text = capsys.readouterr().out
+    plan = yaml.safe_load(text)["capture"]
+    assert plan["limit"] == 3 and plan["layers"] == [1, 14, 26] and plan["teacher"] == "topk:32"
+    assert not (tmp_path / "s").exists()
+    (tmp_path / "run.yaml").write_text(text)
+    assert main(["capture", "--config", str(tmp_path / "run.yaml"), "--plan"]) == 0
+    assert capsys.readouterr().out == text
 
 
-def _manifest_shards(out: Path) -> int:
-    try:
-        return len(json.loads((out / "manifest.json").read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
+def _shards(out: Path) -> int:
+    return len(json.loads((out / "manifest.json").read_text())["shards"])
 
 
 def test_sigkill_at_several_points_then_resume_is_exact(tmp_path, target):
+    """Each run SIGKILLs itself right after its n-th committed shard (HSTAP_FAULT, no timer): the store keeps
+    exactly the committed shards, every one whole, and a resume completes the exact sample set."""
     out = tmp_path / "killed"
     limit = 16
     cmd = [sys.executable, "-m", "hstap.cli", *_capture_args(out, limit, "--shard-mb", "0.3", "--batch-tokens", "512")]
+    committed = 0
+    for kill_after_shards in (1, 2, 3):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSTAP_FAULT": f"shard-committed:{kill_after_shards}"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        committed += kill_after_shards
+        assert _shards(out) == committed  # the kill came right after that commit, and nothing after it
+        assert verify_store(out) == []  # every committed shard is whole
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for kill_after_shards in (1, 3, 6):
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while _manifest_shards(out) < kill_after_shards and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
-        assert verify_store(out) == []  # every committed shard is whole, whatever moment the kill hit
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert _shards(out) > committed
     store = open_store(out)
     ids = store.ids()
     assert len(ids) == len(set(ids)), "duplicate samples after resume"

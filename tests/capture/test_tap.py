@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstap.capture import Batch, Tap, TeacherSpec, to_hf_hidden_states_index
+from hstap.capture.layers import to_hf_hidden_states_index
+from hstap.capture.tap import Batch, Tap
+from hstap.config import TeacherSpec
 from hstap.capture.hf import hf_taps
 
 LAYERS = [1, 14, 26]
@@ -92,7 +94,7 @@ def test_padding_excluded_and_matches_unbatched_forward(target):
 
 def test_topk_teacher_matches_logits(target):
     ids, mask, batch = _padded(target.tokenizer, TEXTS)
-    got, out, _ = _capture(target.model, torch.bfloat16, ids, mask, batch, teacher=TeacherSpec("topk", 8))
+    got, out, _ = _capture(target.model, torch.bfloat16, ids, mask, batch, teacher=TeacherSpec(kind="topk", k=8))
     row, sid = 1, batch.ids[1]
     n = batch.lengths[row]
     ref_vals, ref_ids = torch.log_softmax(out.logits[row, :n].float(), -1).topk(8, dim=-1)
@@ -105,7 +107,7 @@ def test_topk_teacher_matches_logits(target):
 
 def test_hidden_teacher_is_final_norm_output(target):
     ids, mask, batch = _padded(target.tokenizer, TEXTS[:2])
-    got, out, _ = _capture(target.model, torch.float32, ids, mask, batch, teacher=TeacherSpec("hidden", 0))
+    got, out, _ = _capture(target.model, torch.float32, ids, mask, batch, teacher=TeacherSpec(kind="hidden", k=0))
     n = batch.lengths[0]
     assert torch.equal(got["s0"]["teacher.hidden"], out.hidden_states[-1][0, :n])  # HF's last entry is post-norm
 

@@ -19,10 +19,7 @@ def reference_step_outputs(model: Eagle3Drafter, aux, ids, steps):
     b, s = ids.shape
     rep = cfg.num_attention_heads // cfg.num_key_value_heads
     attn = model.midlayer.self_attn
-    outs = []
     h0 = model.project(aux)
-    # step 0 keys/values at every position (the prefix cache)
-    keys0, vals0 = [], []
 
     def kv_q(embeds, hidden, pos):
         x = torch.cat([model.midlayer.input_layernorm(embeds), model.midlayer.hidden_norm(hidden)], -1)

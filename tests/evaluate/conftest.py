@@ -9,7 +9,7 @@ import torch
 
 from hstap.data import iter_sharegpt, load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
-from hstap.evaluate.run import Prompt, stop_ids_of
+from hstap.evaluate.run import Prompt
 from hstap.evaluate.spec import vanilla_generate
 
 MAX_NEW = 24
@@ -39,7 +39,7 @@ def drafter(target, prompts) -> Eagle3Drafter:
 
 @pytest.fixture(scope="session")
 def stop_ids(target) -> set[int]:
-    return stop_ids_of(target.model, target.tokenizer)
+    return set(target.stop_ids)
 
 
 @pytest.fixture(scope="session")

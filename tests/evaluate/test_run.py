@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from hstap.cli import main
 from hstap.errors import HstapError
-from hstap.evaluate.run import EvalConfig, evaluate_shapes, load_prompts, run_eval
-from hstap.evaluate.tree import DraftShape
+from hstap.evaluate.config import EvalConfig
+from hstap.evaluate.run import evaluate_shapes, load_prompts, run_eval
+from hstap.evaluate.shapes import DraftShape
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def run_dir(drafter, target, tmp_path, monkeypatch):
 
 
 def test_run_eval_writes_report_into_the_run_directory(run_dir):
-    cfg = EvalConfig(drafter=run_dir, limit=2, shapes=["chain:2", "tree:3,2,4"], max_new_tokens=8)
+    cfg = EvalConfig(drafter=run_dir, limit=2, chain=[2], tree=["3,2,4"], max_new_tokens=8)
     result = run_eval(cfg, progress=False)
     names = sorted(p.name for p in result.files)
     assert names == ["acceptance_per_position.png", "report.json", "report.md", "tau_distribution.png"]
@@ -71,7 +73,7 @@ def test_cli_json_and_plan(run_dir, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["shapes"][0]["shape"] == "chain:2" and report["config"]["bench"] == "mt-bench"
     assert main(["eval", "--drafter", str(run_dir), "--tree", "8,8,60", "--chain", "3", "--plan"]) == 0
-    assert json.loads(capsys.readouterr().out)["shapes"] == ["chain:3", "tree:8,8,60"]
+    assert yaml.safe_load(capsys.readouterr().out)["eval"]["shapes"] == ["chain:3", "tree:8,8,60"]
 
 
 def test_cli_errors_are_one_line(run_dir, capsys):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hstap.errors import HstapError
-from hstap.evaluate.tree import DraftShape, DraftTree, ancestor_mask, rerank, verify_mask
+from hstap.evaluate.shapes import DraftShape
+from hstap.evaluate.tree import DraftTree, ancestor_mask, rerank, verify_mask
 
 #        root
 #       /    \

@@ -18,7 +18,7 @@ from transformers import AutoConfig, LlamaConfig
 from hstap.cli import main
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, draft_to_target_ids
 from hstap.errors import HstapError
-from hstap.export import export_drafter
+from hstap.export.write import export_drafter
 from hstap.export.formats import FORMATS, expected_shapes, export_vllm, sglang_layer_ids, vllm_layer_ids
 
 SMOLLM2_IDS = [1, 14, 26]  # canonical EAGLE-3 default for 30 layers: [1, L//2 - 1, L - 4]
@@ -220,7 +220,7 @@ def test_full_draft_vocabulary_drops_the_identity_maps():
 
 def test_dtype_and_embedding_options(run_dir, source, target, tmp_path):
     _, state = source
-    out = export_drafter(run_dir, "vllm", tmp_path / "f32", dtype="float32", include_embedding=True)
+    out = export_drafter(run_dir, "vllm", tmp_path / "f32", dtype="fp32", include_embedding=True)
     tensors = load_file(str(out / "model.safetensors"))
     assert torch.equal(tensors["fc.weight"], state["fc.weight"]) and tensors["fc.weight"].dtype == torch.float32
     assert torch.equal(tensors["embed_tokens.weight"], target.model.get_input_embeddings().weight.detach())
@@ -280,7 +280,7 @@ def test_existing_output_needs_force_and_is_replaced_whole(run_dir, tmp_path, mo
     (out / "keep.txt").write_text("old")
     with pytest.raises(HstapError, match="not empty: choose another directory or pass --force"):
         export_drafter(run_dir, "sglang", out)
-    import hstap.export as export_mod
+    import hstap.export.write as export_mod
 
     def fail(*args, **kwargs):
         raise OSError("disk full")

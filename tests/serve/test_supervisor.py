@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+import yaml
 
 from hstap.cli import main
 
@@ -110,21 +112,24 @@ def test_flags_that_break_capture_are_refused(tmp_path, capsys):
     assert "--enable-two-batch-overlap breaks capture" in err and err.count("\n") == 1
     assert main([*base, "--", "--pp-size", "2"]) == 2
     assert "--pp-size 1" in capsys.readouterr().err
-    assert main(["serve", "--engine", "tgi", "--model", "smollm2", "--plan"]) == 2
-    assert "['hf', 'sglang', 'vllm']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--engine", "tgi", "--model", "smollm2", "--plan"])
+    assert exit_info.value.code == 2 and "invalid choice: 'tgi' (choose from sglang, vllm, hf)" in capsys.readouterr().err
 
 
 def test_plan_shows_the_capture_flags(tmp_path, capsys):
     assert main(["serve", "--engine", "sglang", "--model", "smollm2", "--capture-dir", str(tmp_path / "cap"),
                  "--capture-layers", "1,14,26", "--plan", "--", "--tp-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "sglang.launch_server" in out and "--forward-hooks" in out and "hstap.capture.sglang:make_hook" in out
-    assert "--disable-radix-cache" in out and "--cuda-graph-backend-prefill disabled" in out
-    assert out.rstrip().endswith("--tp-size 2")
+    assert yaml.safe_load(out)["serve"]["extra"] == ["--tp-size", "2"]  # the plan is a config file ...
+    cmd = out.rstrip().splitlines()[-1]  # ... ending in the engine command, as a comment
+    assert "sglang.launch_server" in cmd and "--forward-hooks" in cmd and "hstap.capture.sglang:make_hook" in cmd
+    assert "--disable-radix-cache" in cmd and "--cuda-graph-backend-prefill disabled" in cmd
+    assert cmd.endswith("--tp-size 2")
     assert main(["serve", "--engine", "vllm", "--model", "smollm2", "--capture-dir", str(tmp_path / "cap"),
                  "--plan"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("VLLM_SERVER_DEV_MODE=1") and "--enforce-eager" in out and "--worker-extension-cls" in out
+    cmd = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert cmd.startswith("# VLLM_SERVER_DEV_MODE=1") and "--enforce-eager" in cmd and "--worker-extension-cls" in cmd
 
 
 CONVERSATIONS = [

@@ -19,8 +19,8 @@ def meta() -> StoreMeta:
         model_fingerprint="abc123",
         layer_ids=LAYERS,
         hidden_size=H,
-        hidden_dtype="bfloat16",
-        teacher={"kind": "topk", "k": K},
+        hidden_dtype="bf16",
+        teacher=f"topk:{K}",
         extra={"max_len": 64},
     )
 

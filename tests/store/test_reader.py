@@ -143,8 +143,8 @@ def test_store_info(store_dir):
     assert info["tokens"] == sum(len(make_sample(i)["input_ids"]) for i in range(30))
     assert info["bytes_on_disk"] == on_disk
     assert info["bytes_per_token"] == pytest.approx(on_disk / info["tokens"])
-    assert info["layer_ids"] == LAYERS and info["hidden_size"] == 16 and info["hidden_dtype"] == "bfloat16"
-    assert info["teacher"] == {"kind": "topk", "k": 4}
+    assert info["layer_ids"] == LAYERS and info["hidden_size"] == 16 and info["hidden_dtype"] == "bf16"
+    assert info["teacher"] == "topk:4"
     assert info["model_id"] == "test/tiny" and info["model_fingerprint"] == "abc123"
 
 
@@ -153,8 +153,8 @@ def test_read_selected_keys_only(tmp_path):
 
     from hstap.store import StoreMeta, StoreWriter, open_store
 
-    meta = StoreMeta(model_id="m", model_fingerprint="f", layer_ids=[1], hidden_size=4, hidden_dtype="float32",
-                     teacher={"kind": "hidden"})
+    meta = StoreMeta(model_id="m", model_fingerprint="f", layer_ids=[1], hidden_size=4, hidden_dtype="fp32",
+                     teacher="hidden")
     with StoreWriter(tmp_path, meta) as w:
         w.add("a", {"input_ids": torch.arange(3, dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1]).bool(),
                     "hidden.1": torch.randn(3, 4), "teacher.hidden": torch.randn(3, 4)})

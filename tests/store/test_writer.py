@@ -24,7 +24,7 @@ def test_round_trip_across_shards(tmp_path, meta):
         assert_sample_equal(got, make_sample(i))
     specs = store.manifest.tensors
     assert specs["input_ids"].dtype == "int32", "input_ids are narrowed to int32 on disk"
-    assert specs["hidden.14"].dtype == "bfloat16" and specs["hidden.14"].shape == [16]
+    assert specs["hidden.14"].dtype == "bf16" and specs["hidden.14"].shape == [16]
     assert store.manifest.meta == meta
 
 
@@ -85,8 +85,8 @@ def test_resume_with_other_layer_ids_refused(tmp_path, meta):
 
 def test_resume_names_every_differing_field(tmp_path, meta):
     write_samples(tmp_path, meta, range(1))
-    other = meta.model_copy(update={"hidden_dtype": "float32", "model_fingerprint": "zzz"})
-    with pytest.raises(HstapError, match="model_fingerprint=abc123, this run asks zzz.*hidden_dtype=bfloat16"):
+    other = meta.model_copy(update={"hidden_dtype": "fp32", "model_fingerprint": "zzz"})
+    with pytest.raises(HstapError, match="model_fingerprint=abc123, this run asks zzz.*hidden_dtype=bf16"):
         StoreWriter(tmp_path, other)
 
 
@@ -141,10 +141,10 @@ def _bad(**changes) -> dict[str, torch.Tensor]:
     [
         (_bad(teacher__topk_ids=None), r"'bad-1'.*missing \['teacher.topk_ids'\]"),
         (_bad(extra_thing=torch.zeros(6)), r"'bad-1'.*unexpected \['extra_thing'\]"),
-        (_bad(hidden__14=torch.zeros(6, 16)), r"'bad-1'.*'hidden.14' has dtype float32, the store has bfloat16"),
+        (_bad(hidden__14=torch.zeros(6, 16)), r"'bad-1'.*'hidden.14' has dtype fp32, the store has bf16"),
         (_bad(loss_mask=torch.ones(7, dtype=torch.bool)), r"'bad-1'.*'loss_mask' has 7 tokens"),
         (_bad(hidden__1=torch.zeros(6, 8, dtype=torch.bfloat16)), r"'bad-1'.*'hidden.1' has per-token shape \[8\]"),
-        (_bad(input_ids=torch.rand(6)), r"'bad-1'.*'input_ids' has dtype float32"),
+        (_bad(input_ids=torch.rand(6)), r"'bad-1'.*'input_ids' has dtype fp32"),
         (_bad(input_ids=torch.full((6,), 2**40)), r"'bad-1'.*'input_ids' has ids outside int32"),
     ],
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hstap.data import open_source, render_prompt
-from hstap.synth.embedded import EagerStepper, Engine, Request, decode, left_pad, stop_ids_of
+from hstap.synth.embedded import EagerStepper, Engine, Request, decode, left_pad
 from hstap.synth.static import StaticStepper
 
 NEW = 16
@@ -27,7 +27,7 @@ def prompts(target) -> list[list[int]]:
 
 def _decode(target, stepper, requests, generator=None):
     with torch.inference_mode():
-        return decode(stepper, requests, target.tokenizer.pad_token_id, stop_ids_of(target.model, target.tokenizer),
+        return decode(stepper, requests, target.tokenizer.pad_token_id, target.stop_ids,
                       "cpu", generator)
 
 
@@ -115,7 +115,7 @@ def test_cuda_graph_decode_equals_static_eager_and_generate():
     target = load_target("smollm2", device="cuda")
     convs = list(open_source("sharegpt", limit=8))
     prompts = [render_prompt(c.messages[:1], target.tokenizer)[:200] for c in convs]
-    pad, stops = target.tokenizer.pad_token_id, stop_ids_of(target.model, target.tokenizer)
+    pad, stops = target.tokenizer.pad_token_id, target.stop_ids
     reqs = [Request(p, 32) for p in prompts]
     with torch.inference_mode():
         graph = decode(StaticStepper(target.model, 16, 2048, pad, cuda_graphs=True), reqs, pad, stops, "cuda",

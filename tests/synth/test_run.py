@@ -10,7 +10,8 @@ import pytest
 from hstap.cli import main
 from hstap.data import Conversation, iter_jsonl, open_source, render, render_prompt
 from hstap.store import open_store
-from hstap.synth import SynthConfig, run_synth
+from hstap.synth.config import SynthConfig
+from hstap.synth.run import run_synth
 from hstap.synth.backend import Completion, RequestFailed
 from hstap.synth.embedded import Engine, Request
 from hstap.synth.run import answer
@@ -142,7 +143,7 @@ def test_capture_consumes_the_output(sharegpt_out, tmp_path):
 
 def test_cli_plan_and_missing_backend(tmp_path, capsys):
     assert main(["synth", "--model", "smollm2", "--out", str(tmp_path / "o.jsonl"), "--limit", "2", "--plan"]) == 0
-    assert '"limit": 2' in capsys.readouterr().out and not (tmp_path / "o.jsonl").exists()
+    assert "  limit: 2\n" in capsys.readouterr().out and not (tmp_path / "o.jsonl").exists()
     assert main(["synth", "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model" in err and "--server" in err

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from hstap.cli import main
-from hstap.synth import SynthConfig, run_synth
+from hstap.synth.config import SynthConfig
+from hstap.synth.run import run_synth
 from hstap.synth.backend import RequestFailed, TurnSampling
 from hstap.synth.server import ModelMismatch, ServerBackend
 from hstap.synth.writer import failed_path

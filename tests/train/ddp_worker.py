@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 import hstap.train.run as run_module
-from hstap.train.run import TrainConfig, run_train
+from hstap.train.config import TrainConfig
+from hstap.train.run import run_train
 
 store, out, dump = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 1

@@ -11,21 +11,22 @@ import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter
 from hstap.errors import HstapError
-from hstap.train.run import TrainConfig, load_metrics, run_train
+from hstap.train.config import TrainConfig
+from hstap.train.run import load_metrics, run_train
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def _torchrun(*args: str, port: int) -> None:
+def _torchrun(*args: str) -> None:
+    """Two ranks on this machine; `--standalone` rendezvous picks a free port (no fixed port to collide on)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(WORKER), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_path):
-    _torchrun(str(train_store), str(tmp_path / "run"), str(tmp_path), port=29517)
+    _torchrun(str(train_store), str(tmp_path / "run"), str(tmp_path))
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
@@ -41,7 +42,7 @@ def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_pat
 def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(train_store, tmp_path):
     """Same global batch (2 ranks × 1 batch vs 1 process × 2 batches): the same losses and weights up to summation
     order. A 2-rank run preempted after step 2 is finished by one process, as if nothing had happened."""
-    _torchrun(str(train_store), str(tmp_path / "ddp"), str(tmp_path), "4", "2", port=29518)
+    _torchrun(str(train_store), str(tmp_path / "ddp"), str(tmp_path), "4", "2")
     common = dict(store=train_store, max_steps=4, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05)
     single = run_train(TrainConfig(out=tmp_path / "single", grad_accum=2, **common), progress=False)
     with pytest.raises(HstapError, match="batches per step"):

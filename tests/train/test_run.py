@@ -11,7 +11,8 @@ import torch
 
 from hstap.drafter import Eagle3Drafter
 from hstap.errors import HstapError
-from hstap.train.run import TrainConfig, load_metrics, run_train
+from hstap.train.config import TrainConfig
+from hstap.train.run import load_metrics, run_train
 
 FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.1, seed=0)
 

@@ -1,0 +1,98 @@
+"""The capture commands' configs: `hstap capture` (embedded) and `hstap capture-remote` (a served engine).
+
+Light on purpose (no torch): `hstap --help` and `--plan` build from these alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from hstap.config import Dtype, TeacherSpec, option
+
+LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
+
+
+def layers_text(value):
+    """`[1, 14, 26]` (as `--plan` prints it) → `1,14,26`; text passes through."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(int(k)) for k in value)
+    return value
+
+
+class CaptureConfig(BaseModel):
+    """Prefill conversations through the embedded target with the tap on, into a store; `--plan` prints it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = option("smollm2", "'smollm2' (embedded) or a transformers checkpoint dir")
+    data: str = option("sharegpt", "sharegpt | mt-bench | jsonl:PATH")
+    limit: int | None = option(None, "use the first N usable conversations", ge=1)
+    out: Path = option(help="store directory (re-run to resume)")
+    layers: str = option("auto", LAYERS_HELP)
+    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    teacher: TeacherSpec = option(TeacherSpec(), "topk:K (the target's top-k log-probs) or hidden (final norm)",
+                                  metavar="topk:K|hidden")
+    batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
+    max_tokens: int = option(2048, "longest sample, in tokens", gt=0)
+    overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+    shard_mb: float = option(256, "target shard size in MiB", gt=0)
+    force: bool = option(False, "capture even when free disk space looks short")
+
+    _layers_text = field_validator("layers", mode="before")(layers_text)
+
+    def resolved(self) -> dict:
+        """The config with `layers` resolved against the model's config.json (no weights loaded)."""
+        from hstap.capture.layers import parse_layers
+        from hstap.models.target import model_config
+
+        out = self.model_dump(mode="json")
+        out["layers"] = parse_layers(self.layers, int(model_config(self.model)["num_hidden_layers"]))
+        out["teacher"] = str(self.teacher)
+        return out
+
+
+class RemoteCaptureConfig(BaseModel):
+    """Send conversations to a served engine whose taps write `capture_dir`; wait until every sample is stored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = option(help="the server, e.g. http://127.0.0.1:30000")
+    data: str = option(help="jsonl:PATH (e.g. hstap synth's output), sharegpt or mt-bench")
+    capture_dir: Path = option(help="the directory the server's taps write")
+    model: str = option("smollm2", "tokenizer: 'smollm2' or the served checkpoint dir")
+    served_model: str | None = option(None, "the `model` field to send (default: none)")
+    max_tokens: int = option(2048, "longest sample, as for hstap capture", gt=0)
+    limit: int | None = option(None, "use the first N usable conversations", ge=1)
+    concurrency: int = option(4, "requests in flight", ge=1)
+    timeout: float = option(600.0, "seconds for the whole run", gt=0)
+
+
+class EngineFlagsConfig(BaseModel):
+    """What an in-engine capture needs to know (`hstap sglang-flags`, `hstap vllm-flags`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = option(help="'smollm2' or the served checkpoint directory (its config.json is read)")
+    layers: str = option("auto", LAYERS_HELP)
+    out: Path = option(help="capture directory (the store the engine writes)")
+    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    shard_mb: float = option(64, "shard size in MiB", gt=0)
+    flush_s: float = option(1.0, "commit buffered samples after this long idle", gt=0)
+
+    _layers_text = field_validator("layers", mode="before")(layers_text)
+
+
+class SglangFlagsConfig(EngineFlagsConfig):
+    """Print SGLang's `--forward-hooks` JSON and the other launch flags a capture needs."""
+
+    as_json: bool = option(False, "print only the --forward-hooks JSON", flag="--json")
+
+
+class VllmFlagsConfig(EngineFlagsConfig):
+    """Print vLLM's launch flags and the `POST /collective_rpc` body that starts the taps."""
+
+    rpc: bool = option(False, "print only the POST /collective_rpc JSON body")

@@ -1,0 +1,60 @@
+"""Capture taps for a transformers model served by hstap's own `hf` engine (`hstap serve --engine hf`).
+
+The hooks feed the same `EngineSession` the SGLang and vLLM adapters use: a forward pre-hook reads the left-padded
+`[B, P]` prefill (decode steps are `[B, 1]` and pass untouched), the decoder layers' outputs are the canonical
+residual streams, `model.norm` gives the teacher. Identity, stitching and the store are the engine rules
+(`hstap.capture.engine`), so this path is the CPU stand-in for a GPU engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hstap.capture.engine import EngineSession, Span
+from hstap.capture.hf import decoder_layers
+from hstap.capture.hooks import first_tensor, never_raise
+
+
+class HfEngineTaps:
+    """Hooks on a transformers causal LM served by `hstap.synth.embedded.Engine`; `remove()` takes them off."""
+
+    def __init__(self, model: torch.nn.Module, session: EngineSession, layers: list[int]) -> None:
+        self.session = session
+        guard = never_raise(session.error)
+        blocks = decoder_layers(model)
+        self.handles = [model.register_forward_pre_hook(guard(self._pre_hook), with_kwargs=True)]
+        self.handles += [blocks[k].register_forward_hook(guard(self._layer_hook(k))) for k in layers]
+        self.handles.append(model.model.norm.register_forward_hook(guard(self._norm_hook)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _pre_hook(self, module, args, kwargs) -> None:
+        session = self.session
+        if session.active():
+            session.tap.end()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if ids is None or ids.dim() != 2 or ids.shape[1] <= 1:
+            session.skip("decode")
+            return
+        if mask is None:
+            mask = torch.ones_like(ids)
+        lengths = mask.sum(-1).tolist()  # the one host read, before the forward
+        width = ids.shape[1]
+        left = bool(mask[:, -1].all()) if ids.shape[0] else True
+        spans = [Span(start=width - n if left else 0, length=int(n), row=b) for b, n in enumerate(lengths) if n]
+        if spans:
+            session.begin(spans)
+            session.record("input_ids", ids[..., None])  # (B, P, 1): gathered like the hidden states
+
+    def _layer_hook(self, k: int):
+        def hook(module, args, output) -> None:
+            if self.session.active():
+                self.session.record(f"hidden.{k}", first_tensor(output))
+        return hook
+
+    def _norm_hook(self, module, args, output) -> None:
+        if self.session.active():
+            self.session.record("teacher", output)

@@ -1,0 +1,67 @@
+"""Draft shapes — how much to draft per verification — and their one registry; no torch, so configs can check them.
+
+    shape = DraftShape.parse("tree:8,8,60")     # depth 8, top-8 children per node, 60 draft tokens
+    shape = DraftShape.parse("chain:3")
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hstap.errors import HstapError
+
+
+class DraftShape(BaseModel):
+    """How much to draft per verification. A chain of K is the tree (depth K, top-1, K nodes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["chain", "tree"]
+    depth: int = Field(ge=1)
+    topk: int = Field(default=1, ge=1)
+    nodes: int = Field(ge=1)
+
+    @classmethod
+    def parse(cls, spec: str) -> "DraftShape":
+        """`chain:K` or `tree:DEPTH,TOPK,NODES` (see SHAPES)."""
+        kind, _, args = spec.partition(":")
+        if kind not in SHAPES:
+            raise HstapError(f"draft shape {spec!r}: unknown kind {kind!r}; expected one of "
+                             f"{', '.join(SHAPES[k][0] for k in SHAPES)}")
+        usage, build = SHAPES[kind]
+        try:
+            numbers = [int(x) for x in args.split(",")]
+            return build(*numbers)
+        except (ValueError, TypeError) as exc:
+            raise HstapError(f"draft shape {spec!r}: expected {usage} with positive integers "
+                             f"({str(exc).splitlines()[0]})") from None
+
+    @property
+    def spec(self) -> str:
+        return f"chain:{self.depth}" if self.kind == "chain" else f"tree:{self.depth},{self.topk},{self.nodes}"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "chain":
+            return f"chain {self.depth}"
+        return f"tree depth {self.depth}, top-{self.topk}, {self.nodes} nodes"
+
+
+def _chain(steps: int) -> DraftShape:
+    return DraftShape(kind="chain", depth=steps, topk=1, nodes=steps)
+
+
+def _tree(depth: int, topk: int, nodes: int) -> DraftShape:
+    most = topk + (depth - 1) * topk * topk  # every candidate EAGLE-2 scores
+    if depth < 1 or topk < 1 or not 1 <= nodes <= most:
+        raise ValueError(f"need depth ≥ 1, topk ≥ 1 and 1 ≤ nodes ≤ topk + (depth-1)·topk² = {most}")
+    return DraftShape(kind="tree", depth=depth, topk=topk, nodes=nodes)
+
+
+# The one registry of draft shapes: kind → (usage, builder from the integers after the colon).
+SHAPES = {
+    "chain": ("chain:K", _chain),
+    "tree": ("tree:DEPTH,TOPK,NODES", _tree),
+}

@@ -1,0 +1,148 @@
+"""Write a trained drafter as a checkpoint SGLang or vLLM loads as an EAGLE-3 draft model.
+
+    hstap export --drafter runs/drafter --format sglang --out runs/drafter-sglang
+    python -m sglang.launch_server --model-path /ckpt --speculative-algorithm EAGLE3 \\
+        --speculative-draft-model-path runs/drafter-sglang ...
+
+    from hstap.export.write import export_drafter
+    export_drafter("runs/drafter", "vllm", "runs/drafter-vllm")   # -> Path of the written directory
+
+The output directory holds `config.json` (the engine's), `model.safetensors` and `hstap.json` (provenance: the
+canonical layer ids, the target's id and fingerprint). It appears whole or not at all (written beside, renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hstap.drafter.config import DrafterConfig
+from hstap.errors import HstapError
+from hstap.config import Dtype
+from hstap.export.formats import CHECKED_VERSIONS, EMBEDDING, expected_shapes, get_format
+
+
+def read_drafter(drafter_dir: Path | str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """A training run directory's config and tensors, checked against the shapes the config implies."""
+    run = Path(drafter_dir)
+    if not run.is_dir():
+        raise HstapError(f"{run}: no such drafter directory (expected a run directory written by `hstap train`)")
+    cfg = DrafterConfig.load(run / "config.json")
+    weights = run / "model.safetensors"
+    if not weights.is_file():
+        raise HstapError(f"{weights}: missing (a drafter directory holds config.json and model.safetensors)")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise HstapError(f"{weights}: not readable as safetensors ({exc})") from None
+    _check_state(cfg, state, weights)
+    return cfg, state
+
+
+def _check_state(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: Path) -> None:
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(state))
+    unknown = sorted(set(state) - set(shapes) - {EMBEDDING})
+    if missing or unknown:
+        raise HstapError(f"{where}: not the drafter its config.json describes "
+                         f"(missing {missing or 'none'}, unexpected {unknown or 'none'})")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise HstapError(f"{where}: {name} has shape {tuple(state[name].shape)}, config.json implies {shape}")
+    if state["d2t"].dtype != torch.int64 or state["t2d"].dtype != torch.bool:
+        raise HstapError(f"{where}: d2t must be int64 and t2d bool (got {state['d2t'].dtype}, {state['t2d'].dtype})")
+    targets = state["d2t"] + torch.arange(cfg.draft_vocab_size)  # d2t holds offsets: target = draft + d2t[draft]
+    in_range = bool(((targets >= 0) & (targets < cfg.vocab_size)).all())
+    if not in_range or not bool((targets[1:] > targets[:-1]).all()) or not bool(state["t2d"][targets].all()) \
+            or int(state["t2d"].sum()) != cfg.draft_vocab_size:
+        raise HstapError(f"{where}: d2t/t2d do not describe one draft vocabulary of {cfg.draft_vocab_size} "
+                         "distinct target ids (rebuild it with hstap.drafter.build_draft_vocab)")
+
+
+def _provenance(cfg: DrafterConfig, fmt: str, dtype: str, config: dict, drafter_dir: Path,
+                include_embedding: bool) -> dict:
+    return {
+        "hstap_export": 1,
+        "format": fmt,
+        "dtype": dtype,
+        "include_embedding": include_embedding,
+        "aux_layer_ids": cfg.aux_layer_ids,  # canonical: the residual stream after decoder layer k
+        "engine_layer_ids": {"sglang": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                             "vllm": config["eagle_aux_hidden_state_layer_ids"]},
+        "target_model_id": cfg.target_model_id,
+        "target_fingerprint": cfg.target_fingerprint,
+        "target_num_layers": cfg.target_num_layers,
+        "target_hidden_size": cfg.target_hidden_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "source": str(drafter_dir),
+        "checked_against": CHECKED_VERSIONS,
+    }
+
+
+def _prepare_out(out: Path, drafter_dir: Path, force: bool) -> None:
+    if out.resolve() == drafter_dir.resolve():
+        raise HstapError(f"--out {out} is the drafter directory itself: choose another directory")
+    if out.exists() and not out.is_dir():
+        raise HstapError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HstapError(f"--out {out} exists and is not empty: choose another directory or pass --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _write_atomic(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict) -> None:
+    """Write into a sibling temp directory, then rename it into place (the old one moved aside first)."""
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    old = None
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "hstap.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_drafter(drafter_dir: Path | str, fmt: str, out_dir: Path | str, dtype: Dtype = "bf16",
+                   include_embedding: bool = False, force: bool = False) -> Path:
+    """Write `drafter_dir` (a training run) as an `fmt` ("sglang" or "vllm") EAGLE-3 draft checkpoint.
+
+    Args:
+        drafter_dir: directory with the drafter's config.json and model.safetensors.
+        fmt: a key of FORMATS.
+        out_dir: the directory to create; an existing non-empty one needs `force`.
+        dtype: floating-point weights are cast to it (bf16, fp16, fp32); d2t stays int64, t2d bool.
+        include_embedding: also write `embed_tokens.weight`. Neither engine needs it (both share the target's);
+            SGLang reads it from the draft checkpoint only under pipeline parallelism.
+        force: replace a non-empty `out_dir`.
+    Returns:
+        The output directory.
+    Raises:
+        HstapError: unknown format or dtype, an unreadable or inconsistent drafter, ids the engine cannot
+            capture, or an output directory in the way.
+    """
+    build = get_format(fmt)
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise HstapError(f"unknown export dtype {dtype!r}: expected one of bf16, fp16, fp32")
+    drafter_dir, out = Path(drafter_dir), Path(out_dir)
+    cfg, state = read_drafter(drafter_dir)
+    if include_embedding and EMBEDDING not in state:
+        raise HstapError(f"{drafter_dir}/model.safetensors has no {EMBEDDING}: export without --with-embedding")
+    config, tensors = build(cfg, state, dtype=dtype, include_embedding=include_embedding)
+    _prepare_out(out, drafter_dir, force)
+    _write_atomic(out, config, tensors, _provenance(cfg, fmt, dtype, config, drafter_dir, include_embedding))
+    return out

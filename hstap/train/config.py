@@ -1,0 +1,73 @@
+"""TrainConfig: everything a training run depends on; `hstap train --plan` prints it resolved.
+
+Sizes left unset fit the device: a GPU gets the EAGLE-3 recipe (TTT 7, a 32k draft vocabulary, 2,048-token
+samples), a CPU sizes it can finish in minutes rather than hours (TTT 3, 8k vocabulary, 512 tokens). `--plan`
+shows what was picked; any of them can be set explicitly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from hstap.capture.config import LAYERS_HELP, layers_text
+from hstap.config import option, parse_duration
+
+# (GPU, CPU) values of the sizes left unset
+DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512)}
+
+
+class TrainConfig(BaseModel):
+    """Train an EAGLE-3 drafter offline from a store, or online with the target in this process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: Path | None = option(None, "capture store to train from (offline)")
+    online: bool = option(False, "run the target in-process; no store on disk")
+    model: str = option("smollm2", "the target: 'smollm2' or a checkpoint dir")
+    data: str = option("sharegpt", "(online) sharegpt | mt-bench | jsonl:PATH")
+    limit: int | None = option(None, "(online) first N usable conversations", ge=1)
+    layers: str = option("auto", f"(online) {LAYERS_HELP}")
+    max_tokens: int | None = option(None, "(online) longest sample in tokens (default 2048 on a GPU, 512 on a CPU)",
+                                    gt=0)
+    out: Path = option(help="run directory")
+    epochs: int = option(1, "passes over the training samples", ge=1)
+    lr: float = option(1e-3, "peak learning rate (AdamW, linear warmup, cosine decay)", gt=0)
+    warmup_ratio: float = option(0.05, "fraction of the steps spent warming up", ge=0, lt=1)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float = option(0.5, "gradient-norm clip", gt=0)
+    batch_tokens: int = option(4096, "padded tokens per batch (per rank)", gt=0)
+    grad_accum: int = option(1, "batches per rank per optimizer step (global batch = ranks × this × "
+                                "--batch-tokens)", ge=1)
+    ttt_steps: int | None = option(None, "training-time-test unroll length (default 7 on a GPU, 3 on a CPU)", ge=1)
+    decay: float = option(0.8, "weight of TTT step k is decay**k", gt=0, le=1)
+    draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
+                                           "on a CPU)", ge=1)
+    heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
+    seed: int = option(0, "seed of the split, the batch order and the initial weights")
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+    checkpoint_every: int = option(200, "steps between checkpoints", ge=1)
+    max_steps: int | None = option(None, "stop after this many optimizer steps", ge=1)
+    time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
+                                         flag="--time-budget", metavar="DURATION", gt=0)
+    resume: bool = option(False, "continue from OUT/checkpoint exactly")
+
+    _layers_text = field_validator("layers", mode="before")(layers_text)
+    _duration = field_validator("time_budget_s", mode="before")(parse_duration)
+
+    def sized_for_device(self) -> "TrainConfig":
+        """A copy with every size left unset filled in for the device (GPU recipe or CPU-sized)."""
+        on_gpu = self.device.startswith("cuda")
+        fill = {name: pair[0 if on_gpu else 1] for name, pair in DEVICE_DEFAULTS.items()
+                if getattr(self, name) is None}
+        return self.model_copy(update=fill)
+
+    def resolved(self) -> dict:
+        out = self.sized_for_device().model_dump(mode="json")
+        if self.online:
+            from hstap.capture.layers import parse_layers
+            from hstap.models.target import model_config
+
+            out["layers"] = parse_layers(self.layers, int(model_config(self.model)["num_hidden_layers"]))
+        return out
