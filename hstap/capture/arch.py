@@ -7,8 +7,8 @@
 Module names are not the same across models: Kimi-K2.5 wraps DeepSeek-V3 as `language_model`, so its layers are
 `language_model.model.layers.<k>`, not `model.layers.<k>`; SGLang's `--forward-hooks` fnmatches whole names and
 only logs a warning when nothing matches. Nor is a layer's return value: SGLang 0.5.23's Llama/Qwen layers return
-one tensor (the residual lives in the batch's residual stream), DeepSeek's return `(hidden, topk_indices)`, Gemma-3's
-and every vLLM 0.33 layer `(hidden, residual)`. So both come from this table, keyed by config.json's
+one tensor (the residual lives in the batch's residual stream), DeepSeek's return `(hidden, topk_indices)`,
+Gemma-2/3's and every vLLM 0.33 layer `(hidden, residual)`. So both come from this table, keyed by config.json's
 `architectures`, per engine. `tests/capture/test_arch.py` checks every row against the engines' own model sources
 (SGLang 0.5.23 always; vLLM 0.33 where its sources are present). An architecture missing here gets the generic
 rule — try `model` and `language_model.model`, detect the contract per forward — and says so.
@@ -81,6 +81,7 @@ SGLANG: dict[str, Layout] = {
     "Glm4ForCausalLM": _row("model", "stream"),
     "Glm4MoeForCausalLM": _row("model", "stream"),
     "GptOssForCausalLM": _row("model", "stream"),
+    "Gemma2ForCausalLM": _row("model", "pairs"),
     # Gemma-3 layers are called with keyword arguments only: a forward hook cannot see the ForwardBatch.
     "Gemma3ForCausalLM": _row("model", "pairs", batch_positional=False),
     "Gemma3ForConditionalGeneration": _row("language_model.model", "pairs", batch_positional=False),
@@ -102,6 +103,7 @@ VLLM: dict[str, Layout] = {
     "Glm4ForCausalLM": _row("model", "pairs"),
     "Glm4MoeForCausalLM": _row("model", "pairs"),
     "GptOssForCausalLM": _row("model", "pairs", embed="embedding"),
+    "Gemma2ForCausalLM": _row("model", "pairs"),
     "Gemma3ForCausalLM": _row("model", "pairs"),
     "Gemma3ForConditionalGeneration": _row("language_model.model", "pairs"),
 }
@@ -110,10 +112,23 @@ TABLES = {"sglang": SGLANG, "vllm": VLLM}
 GENERIC = Layout(text=("model", "language_model.model"), output="auto", known=False)
 
 
+# config.json without `architectures` (SmolLM2's cached GGUF conversion): the class its `model_type` loads
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+               "kimi_k25": "KimiK25ForConditionalGeneration", "glm4": "Glm4ForCausalLM",
+               "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration"}
+
+
 def architecture(config: dict) -> str:
-    """The served class config.json names (`architectures[0]`), or 'unknown'."""
+    """The served class config.json names (`architectures[0]`; else what its `model_type` loads), or 'unknown'."""
     archs = config.get("architectures") or []
-    return str(archs[0]) if archs else "unknown"
+    if archs:
+        return str(archs[0])
+    return MODEL_TYPES.get(str(config.get("model_type")), "unknown")
 
 
 def resolve_layout(config: dict, engine: str) -> Layout:
@@ -124,3 +139,13 @@ def resolve_layout(config: dict, engine: str) -> Layout:
     if row is None:
         return replace(GENERIC, architecture=arch)
     return replace(row, architecture=arch)
+
+
+def fallback_note(layout: Layout, engine: str) -> str | None:
+    """The line a command prints when the generic rule is in use (None for a known architecture)."""
+    if layout.known:
+        return None
+    names = " or ".join(f"{t}.{layout.layers}.<k>" for t in layout.text)
+    return (f"hstap: architecture {layout.architecture!r} has no {engine} row in hstap/capture/arch.py: using the "
+            f"generic rule (layers named {names}; layer outputs told apart per forward); a name that matches no "
+            "module stops `hstap serve`")

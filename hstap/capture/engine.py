@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from hstap.capture.arch import Layout
 from hstap.capture.tap import STORAGE_DTYPES, Batch, Tap, TeacherSpec
 from hstap.store import StoreMeta, StoreWriter
 
@@ -56,26 +57,33 @@ class EngineCaptureConfig(BaseModel):
     engine: str = "unknown"
     shard_mb: float = Field(default=64, gt=0)
     flush_s: float = Field(default=1.0, gt=0)
+    # the served architecture's module names and layer-output contract in this engine (hstap.capture.arch)
+    layout: Layout = Layout()
 
     @classmethod
     def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, dtype: str = "bf16",
                        shard_mb: float = 64, flush_s: float = 1.0) -> "EngineCaptureConfig":
-        """The config for a served checkpoint (`model`: 'smollm2' or a directory): layer ids validated against its
-        config.json (nested `text_config` of wrapped models included), the weights fingerprinted like a store's."""
+        """The config for a served checkpoint (`model`: 'smollm2' or a directory, which may hold config.json
+        alone): layer ids validated against its config.json (nested `text_config` of wrapped models included),
+        the engine's module layout for its `architectures`, the files fingerprinted like a store's."""
+        from hstap.capture.arch import resolve_layout
         from hstap.capture.layers import parse_layers
         from hstap.errors import HstapError
         from hstap.models.target import fingerprint_dir, resolve_model_dir
 
         path, model_id = resolve_model_dir(model)
-        config = json.loads((path / "config.json").read_text())
-        config = config.get("text_config", config)
         try:
-            num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+            top = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise HstapError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+        text = top.get("text_config", top)
+        try:
+            num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
         except KeyError as e:
             raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
         return cls(out=Path(out).resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
                    hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=fingerprint_dir(path),
-                   engine=engine, shard_mb=shard_mb, flush_s=flush_s)
+                   engine=engine, shard_mb=shard_mb, flush_s=flush_s, layout=resolve_layout(top, engine))
 
 
 @dataclass
@@ -225,6 +233,16 @@ class Matcher:
         self.emit(sample_id, tensors)
         self.done.add(sample_id)
         self.counts["captured"] += 1
+
+
+def is_residual_pair(output) -> bool:
+    """A layer output that is `(hidden, residual)`: two floating tensors of one shape. DeepSeek's SGLang layers
+    return `(hidden, topk_indices)` (integer indices, or None): that is not one, and must never be summed."""
+    if not (isinstance(output, (tuple, list)) and len(output) >= 2):
+        return False
+    a, b = output[0], output[1]
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+            and b.is_floating_point() and a.shape == b.shape)
 
 
 UNSPLIT = -1  # Span.prefix of a forward the writer thread splits by positions

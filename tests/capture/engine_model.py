@@ -6,11 +6,14 @@ tvm_ffi, ...), so this mirrors what the hooks can observe, with the names the re
 - module names `model.layers.<i>`, `model.layers.<i>.input_layernorm`, `model.norm` (LlamaForCausalLM.model);
 - RMSNorm's `forward(x, residual=None)`: with a residual, `residual += x; x = norm(residual)` *in place* (the fused
   add-RMSNorm kernel) and returns `(x, residual)`;
-- two decoder-layer contracts of SGLang 0.5.23:
-  `pairs`:    `forward(positions, hidden_states, forward_batch, residual) -> (hidden_states, residual)`, the
-              residual add deferred to the next norm (gemma2, olmo2, ... and Llama before the boundary rewrite);
-  `boundary`: `forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states`, the residual
-              held in `forward_batch.residual_stream` (Llama, Qwen, DeepSeek in 0.5.23);
+- the decoder-layer contracts of SGLang 0.5.23 (hstap.capture.arch names them):
+  `pairs`:       `forward(positions, hidden_states, forward_batch, residual) -> (hidden_states, residual)`, the
+                 residual add deferred to the next norm (Gemma-2, ...);
+  `stream`:      `forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states`, the
+                 residual held in `forward_batch.residual_stream` (Llama, Qwen in 0.5.23);
+  `stream_topk`: the same, returning `(hidden_states, topk_indices)` (DeepSeek, Kimi; the indices are an integer
+                 tensor on the sparse-attention models);
+- a wrapper that holds the causal LM as `language_model`, as Kimi-K2.5 does (`SgWrapped`);
 - vLLM 0.33's contract `forward(positions, hidden_states, residual) -> (hidden_states, residual)`, the batch layout
   coming from the forward context (here `VLLM_CONTEXT`), the model called as `model(input_ids=..., positions=...)`;
 - a packed `[T, H]` batch with per-request `extend_seq_lens_cpu` / `extend_prefix_lens_cpu`, positions, and a
@@ -161,7 +164,7 @@ class PairsLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class BoundaryLayer(PairsLayer):
+class StreamLayer(PairsLayer):
     """`forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states` (0.5.23 Llama)."""
 
     def forward(self, positions, hidden_states, forward_batch, capture_output=None):
@@ -174,6 +177,16 @@ class BoundaryLayer(PairsLayer):
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, stream.residual = self.post_attention_layernorm(hidden_states, stream.residual)
         return self.mlp(hidden_states)
+
+
+class StreamTopkLayer(StreamLayer):
+    """DeepSeek's `-> (hidden_states, topk_indices)`: here the indexer's choice is a (T, 8) int32 tensor of
+    plausible key positions, exactly what must never be added to the hidden state."""
+
+    def forward(self, positions, hidden_states, forward_batch, capture_output=None):
+        hidden_states = super().forward(positions, hidden_states, forward_batch, capture_output)
+        topk_indices = (positions[:, None] - torch.arange(8)).clamp(min=0).to(torch.int32)  # (T, 8)
+        return hidden_states, topk_indices
 
 
 VLLM_CONTEXT: list = [None]  # the batch of the forward in flight, as vLLM's forward context would hold it
@@ -190,7 +203,8 @@ class SgModel(nn.Module):
     def __init__(self, hf_model, contract: str, kv: dict) -> None:
         super().__init__()
         cfg = hf_model.config
-        layer_cls = {"pairs": PairsLayer, "boundary": BoundaryLayer, "vllm": VllmLayer}[contract]
+        layer_cls = {"pairs": PairsLayer, "stream": StreamLayer, "stream_topk": StreamTopkLayer,
+                     "vllm": VllmLayer}[contract]
         self.contract = contract
         self.embed_tokens = hf_model.model.embed_tokens
         self.layers = nn.ModuleList(layer_cls(l, cfg, i, kv) for i, l in enumerate(hf_model.model.layers))
@@ -201,10 +215,12 @@ class SgModel(nn.Module):
 
     def forward(self, input_ids, positions, forward_batch):
         hidden_states = self.embed_tokens(input_ids)  # (T, H)
-        if self.contract == "boundary":
+        if self.contract in ("stream", "stream_topk"):
             forward_batch.residual_stream = ResidualStream()
             for layer in self.layers:
                 hidden_states = layer(positions, hidden_states, forward_batch)
+                if self.contract == "stream_topk":
+                    hidden_states, _ = hidden_states
             hidden_states, _ = self.norm(hidden_states, forward_batch.residual_stream.residual)
             forward_batch.residual_stream = None
             return hidden_states
@@ -222,7 +238,7 @@ class SgCausalLM(nn.Module):
     """`LlamaForCausalLM`: `.model` + a tied lm_head applied, like SGLang's logits processor, to each request's
     last token only."""
 
-    def __init__(self, hf_model, contract: str = "boundary") -> None:
+    def __init__(self, hf_model, contract: str = "stream") -> None:
         super().__init__()
         self.kv: dict = {}
         self.model = SgModel(hf_model, contract, self.kv)
@@ -233,6 +249,23 @@ class SgCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, H)
         last = torch.tensor(list(torch.cumsum(torch.tensor(fb.lens), 0) - 1)) if fb.lens else torch.zeros(0).long()
         return self.lm_head(hidden[last])  # (bs, V)
+
+
+class SgWrapped(nn.Module):
+    """A multimodal wrapper's module tree (KimiK25ForConditionalGeneration: `vision_tower`, `mm_projector`,
+    `language_model` = the causal LM), served text-only. The vision tower has `layers` of its own: a pattern that
+    is not anchored at `language_model.model` would hit them."""
+
+    def __init__(self, hf_model, contract: str = "stream_topk") -> None:
+        super().__init__()
+        self.vision_tower = nn.Module()
+        self.vision_tower.layers = nn.ModuleList(nn.Identity() for _ in range(4))
+        self.mm_projector = nn.Identity()
+        self.language_model = SgCausalLM(hf_model, contract)
+        self.kv = self.language_model.kv
+
+    def forward(self, fb: FB) -> torch.Tensor:
+        return self.language_model(fb)
 
 
 def extend_batch(reqs: list[tuple[str, list[int], int]], mode=None, rids: bool = True) -> FB:
