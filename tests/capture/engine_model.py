@@ -317,3 +317,34 @@ def vllm_step(model: VllmCausalLM, reqs: list[tuple[str, list[int], int]]) -> to
         return model(input_ids=fb.input_ids, positions=fb.positions)
     finally:
         VLLM_CONTEXT[0] = VLLM_INFO[0] = None
+
+
+def skeleton(layout, num_layers: int, first_dense: int = 1) -> nn.Module:
+    """An empty module tree with the names an engine's model of this layout has (no weights): a multimodal wrapper
+    (`vision_tower` with `layers` of its own, `mm_projector`), the causal LM (`lm_head`), the text model
+    (`embed_tokens`, `layers`, `norm`), and per layer the norms, attention and a dense MLP for the first
+    `first_dense` layers, MoE experts after (DeepSeek-V3/Kimi's `first_k_dense_replace`)."""
+    root = nn.Module()
+    root.vision_tower = nn.Module()
+    root.vision_tower.layers = nn.ModuleList(nn.Identity() for _ in range(4))
+    root.mm_projector = nn.Identity()
+    text = root
+    path = layout.text[0].split(".")
+    for depth, attr in enumerate(path):
+        child = nn.Module()
+        setattr(text, attr, child)
+        if depth == len(path) - 2:
+            child.lm_head = nn.Identity()
+        text = child
+    setattr(text, layout.embed, nn.Identity())
+    setattr(text, layout.norm, nn.Identity())
+    layers = nn.ModuleList()
+    for i in range(num_layers):
+        layer = nn.Module()
+        setattr(layer, layout.input_norm, nn.Identity())
+        layer.self_attn, layer.post_attention_layernorm = nn.Identity(), nn.Identity()
+        layer.mlp = nn.Identity() if i < first_dense else nn.ModuleDict({"gate": nn.Identity(),
+                                                                          "experts": nn.Identity()})
+        layers.append(layer)
+    setattr(text, layout.layers, layers)
+    return root
