@@ -213,8 +213,8 @@ class SgModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.rotary = rotary
 
-    def forward(self, input_ids, positions, forward_batch):
-        hidden_states = self.embed_tokens(input_ids)  # (T, H)
+    def forward(self, input_ids, positions, forward_batch, inputs_embeds=None):
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, H)
         if self.contract in ("stream", "stream_topk"):
             forward_batch.residual_stream = ResidualStream()
             for layer in self.layers:
@@ -299,10 +299,29 @@ class VllmCausalLM(nn.Module):
         return self.model(input_ids, positions, VLLM_CONTEXT[0])
 
 
+class VllmWrapped(nn.Module):
+    """vLLM's KimiK25ForConditionalGeneration shape: the causal LM as `language_model`, called as a multimodal model
+    is by vLLM's v1 runners — `input_ids=None` and `inputs_embeds` that the runner computed beforehand through
+    the text model's `embed_tokens` (see `vllm_step(..., embeds=True)`)."""
+
+    def __init__(self, hf_model) -> None:
+        super().__init__()
+        self.vision_tower = nn.Identity()
+        self.language_model = VllmCausalLM(hf_model)
+        self.kv = self.language_model.kv
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, VLLM_CONTEXT[0], inputs_embeds)
+
+
 VLLM_INFO: list = [None]  # what vllm.forward_context's attention metadata says about the forward in flight
 
 
-def vllm_step(model: VllmCausalLM, reqs: list[tuple[str, list[int], int]]) -> torch.Tensor:
+def vllm_step(model: nn.Module, reqs: list[tuple[str, list[int], int]], embeds: bool = False) -> torch.Tensor:
     """One vLLM forward: decodes (one token each) first, then prefills, as vLLM orders them. While it runs,
     `VLLM_INFO[0]` holds the host-side attention-metadata facts (`max_query_len`, `num_actual_tokens`,
     `num_decode_tokens`)."""
@@ -314,6 +333,10 @@ def vllm_step(model: VllmCausalLM, reqs: list[tuple[str, list[int], int]]) -> to
     VLLM_CONTEXT[0] = fb
     VLLM_INFO[0] = {"max_query_len": max(lens), "num_actual_tokens": sum(lens), "num_decode_tokens": decodes}
     try:
+        if embeds:  # the runner embeds the scheduled tokens first, then runs the model on the embeddings
+            with torch.inference_mode():
+                inputs_embeds = model.embed_input_ids(fb.input_ids)
+            return model(input_ids=None, positions=fb.positions, inputs_embeds=inputs_embeds)
         return model(input_ids=fb.input_ids, positions=fb.positions)
     finally:
         VLLM_CONTEXT[0] = VLLM_INFO[0] = None
