@@ -16,8 +16,9 @@ the layer-output contract come from the served architecture (`hstap.capture.arch
 - `<text>.layers.<k>` of the lowest captured layer reads the ForwardBatch from `args[2]` and decides whether this
   forward is captured at all (pure `ForwardMode.EXTEND`, host-side lengths present, not only health probes), then
   announces the packed layout. Where layers return `(hidden_states, residual)` with the add deferred (`pairs`:
-  gemma2, olmo2 and Gemma-3 in 0.5.23 — but Gemma-3's layers get the batch as a keyword, so it is refused) every captured layer is hooked and gives `output[0] + output[1]`, added into a
-  new tensor: the next fused add-RMSNorm overwrites both in place.
+  Gemma-2 in 0.5.23; Gemma-3 too, but its layers get the batch as a keyword argument, so it is refused), every
+  captured layer is hooked and gives `output[0] + output[1]`, added into a new tensor: the next fused add-RMSNorm
+  overwrites both in place.
 - `<text>.layers.<k+1>.input_layernorm` (`<text>.norm` for the last layer) where layers return one tensor (or an
   opaque owed handle whose tensor-parallel all-reduce is still pending) and keep the residual in
   `forward_batch.residual_stream` (`stream`: Llama, Qwen, GLM-4, gpt-oss, Mixtral; `stream_topk`: DeepSeek-V2/V3/
