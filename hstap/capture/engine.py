@@ -15,7 +15,9 @@ Tap's writer thread the `Matcher` then
 - hands complete samples to the store, which is flushed whenever the engine has been idle for `flush_s` seconds, so
   a client can wait for its ids to show up in the manifest while the server keeps running.
 
-Counters go to `DIR/engine-report.json` at every flush and on close.
+Counters go to `DIR/engine-report.json` at every flush, whenever they change (so a client sees an engine that
+runs forwards but captures nothing), and on close; a session that saw prefill requests and captured none says so
+in one line on stderr (the engine's log) when it closes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -283,6 +286,8 @@ class EngineSession:
         self.adapter_state: object = None  # an engine adapter's per-process hook state, if it needs one
         self._spans: dict[str, Span] = {}
         self._forwards = 0
+        self._requests = 0  # prefill requests announced to the Tap (spans of captured forwards)
+        self._reported = ""  # the counters as last written
         self._total = 0
         self._last_add = 0.0
         self._dirty = False
@@ -302,6 +307,7 @@ class EngineSession:
             for key in list(self._spans):
                 if int(key.split(":", 1)[0]) < self._forwards - 64:
                     self._spans.pop(key, None)
+        self._requests += len(spans)
         ids = [f"{self._forwards}:{i}" for i in range(len(spans))]
         for sid, span in zip(ids, spans):
             self._spans[sid] = span
@@ -360,6 +366,8 @@ class EngineSession:
         while not self._closed.wait(self.cfg.flush_s):
             if self._dirty and time.monotonic() - self._last_add >= self.cfg.flush_s:
                 self.flush()
+            elif json.dumps(self.report()) != self._reported:
+                self.write_report()
 
     def flush(self) -> None:
         """Commit what is buffered and write the counters (safe from any thread)."""
@@ -373,13 +381,16 @@ class EngineSession:
 
     def report(self) -> dict:
         tap = self.tap.report
-        return {"forwards": self._forwards, **dict(self.matcher.counts), "skipped": dict(self.skipped),
+        return {"forwards": self._forwards, "prefill_requests": self._requests, **dict(self.matcher.counts),
+                "skipped": dict(self.skipped),
                 "errors": tap.errors, "dropped_samples": tap.dropped_samples, "first_error": tap.first_error,
                 "open_partials": len(self.matcher.partials), "pid": os.getpid()}
 
     def write_report(self) -> None:
+        report = self.report()
+        self._reported = json.dumps(report)
         tmp = self.out / (REPORT_NAME + ".tmp")
-        tmp.write_text(json.dumps(self.report(), indent=1))
+        tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, self.out / REPORT_NAME)
 
     def close(self) -> dict:
@@ -392,7 +403,13 @@ class EngineSession:
         with self._lock:
             self.writer.close()
         self.write_report()
-        return self.report()
+        report = self.report()
+        if report["prefill_requests"] and not report.get("captured"):
+            print(f"hstap capture: {report['prefill_requests']} prefill requests seen, 0 captured into {self.out} "
+                  f"(unmatched {report.get('unmatched', 0)}, refused_prefix_cached "
+                  f"{report.get('refused_prefix_cached', 0)}, errors {report['errors']}: {report['first_error']})",
+                  file=sys.stderr, flush=True)
+        return report
 
 
 _SESSIONS: dict[str, EngineSession] = {}

@@ -11,7 +11,10 @@ client only decides what gets prefilled:
    against this file (engines carry no conversation ids, and warmup or health probes then match nothing);
 3. sends each as `POST /v1/completions {"prompt": [token ids], "max_tokens": 1}` — the OpenAI shape SGLang, vLLM
    and the hf engine all accept — with bounded concurrency and per-request timeouts;
-4. waits (bounded) until the store's manifest lists every id, then prints the engine's counters.
+4. waits until the store's manifest lists every id — bounded by `--timeout`, and given up after `--settle` seconds
+   without a new sample — then prints the engine's counters. A server that answered every prefill while the engine
+   stored none of them (taps that never fired: a module name the served model does not have) is an error, in
+   one line, not an empty store.
 Re-running resumes: samples already in the store are neither announced nor sent again.
 """
 
@@ -83,7 +86,7 @@ def _send(client, url: str, model: str | None, sample) -> str | None:
 
 def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", max_tokens: int = 2048,
                limit: int | None = None, concurrency: int = 4, timeout: float = 600.0,
-               served_model: str | None = None) -> RemoteResult:
+               served_model: str | None = None, settle: float = 30.0) -> RemoteResult:
     """Announce, send and wait; see the module docstring."""
     import httpx
 
@@ -103,12 +106,22 @@ def run_remote(url: str, data: str, capture_dir: Path, model: str = "smollm2", m
             ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), served_model, s), todo) if e]
     want = {s.id for s in samples}
-    stored = _stored_ids(capture_dir)
+    stored, progress = _stored_ids(capture_dir), time.monotonic()
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
         time.sleep(0.2)
-        stored = _stored_ids(capture_dir)
+        now = _stored_ids(capture_dir)
+        if now != stored:
+            stored, progress = now, time.monotonic()
+        elif time.monotonic() - progress > settle:
+            break
     report = capture_dir / REPORT_NAME
     engine = json.loads(report.read_text()) if report.exists() else {}
+    answered = len(todo) - len(failed)
+    if answered and not {s.id for s in todo} & stored:
+        counters = json.dumps(engine, sort_keys=True) if engine else "none written: no tap ever ran"
+        raise HstapError(f"capture-remote: the server answered {answered} prefill requests but the engine stored none "
+                         f"of them in {capture_dir} after {settle:.0f} s (engine counters: {counters}); check the "
+                         "engine log for 'No modules matched' and that it was launched with this --capture-dir")
     return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
                         missing=sorted(want - stored), failed=failed, engine=engine)
 
@@ -124,11 +137,13 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--settle", type=float, default=30.0,
+                   help="after the last answer, give up waiting for the store after this long without a new sample")
 
 
 def run(args: argparse.Namespace) -> int:
     result = run_remote(args.url, args.data, args.capture_dir, model=args.model, max_tokens=args.max_tokens,
                         limit=args.limit, concurrency=args.concurrency, timeout=args.timeout,
-                        served_model=args.served_model)
+                        served_model=args.served_model, settle=args.settle)
     print(result.summary())
     return 0 if not result.missing and not result.failed else 1

@@ -156,9 +156,12 @@ def test_prefix_cache_hit_is_refused_not_stored(target, capsys, tmp_path, sample
     model(extend_batch([("a", ids[:30], 0)]))  # someone else's request computed and cached this prefix
     model.kv["b"] = {k: v for k, v in model.kv["a"].items()}  # the radix cache hands it to request b
     model(extend_batch([("b", ids[30:], 30)]))
+    capsys.readouterr()
     report = _finish(out)
     assert report.get("captured", 0) == 0 and report["refused_prefix_cached"] == 1, report
     assert len(open_store(out)) == 0
+    err = capsys.readouterr().err  # the engine's log says it, in one line
+    assert "hstap capture: 2 prefill requests seen, 0 captured" in err and "refused_prefix_cached 1" in err, err
 
 
 def test_hook_failures_never_reach_the_engine(target, capsys, tmp_path, samples):
