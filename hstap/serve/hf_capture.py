@@ -62,13 +62,13 @@ class HfEngineTaps:
     """Hooks on a transformers causal LM served by `hstap.synth.embedded.Engine`; `remove()` takes them off."""
 
     def __init__(self, model: torch.nn.Module, session: EngineSession, layers: list[int]) -> None:
-        from hstap.capture.hf import decoder_layers
+        from hstap.capture.hf import text_decoder
 
         self.session = session
-        blocks = decoder_layers(model)
+        decoder = text_decoder(model)
         self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)]
-        self.handles += [blocks[k].register_forward_hook(self._layer_hook(k)) for k in layers]
-        self.handles.append(model.model.norm.register_forward_hook(self._norm_hook))
+        self.handles += [decoder.layers[k].register_forward_hook(self._layer_hook(k)) for k in layers]
+        self.handles.append(decoder.norm.register_forward_hook(self._norm_hook))
 
     def remove(self) -> None:
         for handle in self.handles:
