@@ -69,6 +69,8 @@ class RemoteCaptureConfig(BaseModel):
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     concurrency: int = option(4, "requests in flight", ge=1)
     timeout: float = option(600.0, "seconds for the whole run", gt=0)
+    settle: float = option(30.0, "after the last answer, give up waiting for the store after this long without a "
+                                 "new sample", gt=0)
 
 
 class EngineFlagsConfig(BaseModel):

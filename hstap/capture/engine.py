@@ -15,7 +15,9 @@ Tap's writer thread the `Matcher` then
 - hands complete samples to the store, which is flushed whenever the engine has been idle for `flush_s` seconds, so
   a client can wait for its ids to show up in the manifest while the server keeps running.
 
-Counters go to `DIR/engine-report.json` at every flush and on close.
+Counters go to `DIR/engine-report.json` at every flush, whenever they change (so a client sees an engine that
+runs forwards but captures nothing), and on close; a session that saw prefill requests and captured none says so
+in one line on stderr (the engine's log) when it closes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from hstap.capture.arch import Layout
 from hstap.capture.tap import Batch, Tap
 from hstap.config import Dtype, TeacherSpec, torch_dtype
 from hstap.store import StoreMeta, StoreWriter
@@ -57,25 +61,33 @@ class EngineCaptureConfig(BaseModel):
     engine: str = "unknown"
     shard_mb: float = Field(default=64, gt=0)
     flush_s: float = Field(default=1.0, gt=0)
+    # the served architecture's module names and layer-output contract in this engine (hstap.capture.arch)
+    layout: Layout = Layout()
 
     @classmethod
     def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, dtype: str = "bf16",
                        shard_mb: float = 64, flush_s: float = 1.0) -> "EngineCaptureConfig":
-        """The config for a served checkpoint (`model`: 'smollm2' or a directory): layer ids validated against its
-        config.json (nested `text_config` of wrapped models included), the weights fingerprinted like a store's."""
+        """The config for a served checkpoint (`model`: 'smollm2' or a directory, which may hold config.json
+        alone): layer ids validated against its config.json (nested `text_config` of wrapped models included),
+        the engine's module layout for its `architectures`, the files fingerprinted like a store's."""
+        from hstap.capture.arch import resolve_layout
         from hstap.capture.layers import parse_layers
         from hstap.errors import HstapError
-        from hstap.models.target import fingerprint_dir, model_config, resolve_model_dir
+        from hstap.models.target import fingerprint_dir, resolve_model_dir
 
         path, model_id = resolve_model_dir(model)
-        config = model_config(model)
         try:
-            num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+            top = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise HstapError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+        text = top.get("text_config", top)
+        try:
+            num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
         except KeyError as e:
             raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
         return cls(out=Path(out).resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
                    hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=fingerprint_dir(path),
-                   engine=engine, shard_mb=shard_mb, flush_s=flush_s)
+                   engine=engine, shard_mb=shard_mb, flush_s=flush_s, layout=resolve_layout(top, engine))
 
 
 @dataclass
@@ -227,6 +239,16 @@ class Matcher:
         self.counts["captured"] += 1
 
 
+def is_residual_pair(output) -> bool:
+    """A layer output that is `(hidden, residual)`: two floating tensors of one shape. DeepSeek's SGLang layers
+    return `(hidden, topk_indices)` (integer indices, or None): that is not one, and must never be summed."""
+    if not (isinstance(output, (tuple, list)) and len(output) >= 2):
+        return False
+    a, b = output[0], output[1]
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+            and b.is_floating_point() and a.shape == b.shape)
+
+
 UNSPLIT = -1  # Span.prefix of a forward the writer thread splits by positions
 
 
@@ -265,6 +287,8 @@ class EngineSession:
         self.adapter_state: object = None  # an engine adapter's per-process hook state, if it needs one
         self._spans: dict[str, Span] = {}
         self._forwards = 0
+        self._requests = 0  # prefill requests announced to the Tap (spans of captured forwards)
+        self._reported = ""  # the counters as last written
         self._total = 0
         self._last_add = 0.0
         self._dirty = False
@@ -284,6 +308,7 @@ class EngineSession:
             for key in list(self._spans):
                 if int(key.split(":", 1)[0]) < self._forwards - 64:
                     self._spans.pop(key, None)
+        self._requests += len(spans)
         ids = [f"{self._forwards}:{i}" for i in range(len(spans))]
         for sid, span in zip(ids, spans):
             self._spans[sid] = span
@@ -342,6 +367,8 @@ class EngineSession:
         while not self._closed.wait(self.cfg.flush_s):
             if self._dirty and time.monotonic() - self._last_add >= self.cfg.flush_s:
                 self.flush()
+            elif json.dumps(self.report()) != self._reported:
+                self.write_report()
 
     def flush(self) -> None:
         """Commit what is buffered and write the counters (safe from any thread)."""
@@ -355,13 +382,16 @@ class EngineSession:
 
     def report(self) -> dict:
         tap = self.tap.report
-        return {"forwards": self._forwards, **dict(self.matcher.counts), "skipped": dict(self.skipped),
+        return {"forwards": self._forwards, "prefill_requests": self._requests, **dict(self.matcher.counts),
+                "skipped": dict(self.skipped),
                 "errors": tap.errors, "dropped_samples": tap.dropped_samples, "first_error": tap.first_error,
                 "open_partials": len(self.matcher.partials), "pid": os.getpid()}
 
     def write_report(self) -> None:
+        report = self.report()
+        self._reported = json.dumps(report)
         tmp = self.out / (REPORT_NAME + ".tmp")
-        tmp.write_text(json.dumps(self.report(), indent=1))
+        tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, self.out / REPORT_NAME)
 
     def close(self) -> dict:
@@ -374,7 +404,13 @@ class EngineSession:
         with self._lock:
             self.writer.close()
         self.write_report()
-        return self.report()
+        report = self.report()
+        if report["prefill_requests"] and not report.get("captured"):
+            print(f"hstap capture: {report['prefill_requests']} prefill requests seen, 0 captured into {self.out} "
+                  f"(unmatched {report.get('unmatched', 0)}, refused_prefix_cached "
+                  f"{report.get('refused_prefix_cached', 0)}, errors {report['errors']}: {report['first_error']})",
+                  file=sys.stderr, flush=True)
+        return report
 
 
 _SESSIONS: dict[str, EngineSession] = {}

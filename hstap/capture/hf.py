@@ -20,14 +20,25 @@ from hstap.capture.tap import Tap
 from hstap.errors import HstapError
 
 
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the decoder layers and the final norm: transformers' own `get_decoder()` (a multimodal
+    model such as Gemma-3's keeps it at `model.language_model`), else `model.model`."""
+    candidates = []
+    try:
+        candidates.append(model.get_decoder())
+    except Exception:  # noqa: BLE001 — not every model implements it
+        pass
+    candidates.append(getattr(model, "model", None))
+    for inner in candidates:
+        if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) and hasattr(inner, "norm"):
+            return inner
+    raise HstapError(f"{type(model).__name__}: no decoder with `layers` and `norm` found (get_decoder(), model.model); "
+                     "this adapter supports decoder-only transformers models")
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layer list of a transformers causal LM (Llama, Qwen, Mistral, … all use `model.layers`)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise HstapError(f"{type(model).__name__}: no `model.layers` ModuleList found; this adapter supports "
-                         "decoder-only transformers models whose blocks live in model.model.layers")
-    return layers
+    """The decoder layer list of a transformers causal LM (`model.layers` for Llama, Qwen, DeepSeek, gpt-oss, …)."""
+    return text_decoder(model).layers
 
 
 @contextmanager
@@ -49,7 +60,7 @@ def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind
             head = model.get_output_embeddings()
             handles.append(head.register_forward_hook(layer_hook("teacher")))
         else:
-            handles.append(model.model.norm.register_forward_hook(layer_hook("teacher")))
+            handles.append(text_decoder(model).norm.register_forward_hook(layer_hook("teacher")))
         yield
     finally:
         for handle in handles:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hstap.capture.engine import EngineSession, Span
-from hstap.capture.hf import decoder_layers
+from hstap.capture.hf import text_decoder
 from hstap.capture.hooks import first_tensor, never_raise
 
 
@@ -21,10 +21,10 @@ class HfEngineTaps:
     def __init__(self, model: torch.nn.Module, session: EngineSession, layers: list[int]) -> None:
         self.session = session
         guard = never_raise(session.error)
-        blocks = decoder_layers(model)
+        decoder = text_decoder(model)
         self.handles = [model.register_forward_pre_hook(guard(self._pre_hook), with_kwargs=True)]
-        self.handles += [blocks[k].register_forward_hook(guard(self._layer_hook(k))) for k in layers]
-        self.handles.append(model.model.norm.register_forward_hook(guard(self._norm_hook)))
+        self.handles += [decoder.layers[k].register_forward_hook(guard(self._layer_hook(k))) for k in layers]
+        self.handles.append(decoder.norm.register_forward_hook(guard(self._norm_hook)))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -11,7 +11,10 @@ client only decides what gets prefilled:
    against this file (engines carry no conversation ids, and warmup or health probes then match nothing);
 3. sends each as `POST /v1/completions {"prompt": [token ids], "max_tokens": 1}` — the OpenAI shape SGLang, vLLM
    and the hf engine all accept — with bounded concurrency and per-request timeouts;
-4. waits (bounded) until the store's manifest lists every id, then prints the engine's counters.
+4. waits until the store's manifest lists every id — bounded by `--timeout`, and given up after `--settle` seconds
+   without a new sample — then prints the engine's counters. A server that answered every prefill while the engine
+   stored none of them (taps that never fired: a module name the served model does not have) is an error, in
+   one line, not an empty store.
 Re-running resumes: samples already in the store are neither announced nor sent again.
 """
 
@@ -100,11 +103,21 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
             ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
         failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), cfg.served_model, s), todo) if e]
     want = {s.id for s in samples}
-    stored = _stored_ids(capture_dir)
+    stored, progress = _stored_ids(capture_dir), time.monotonic()
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
         time.sleep(0.2)
-        stored = _stored_ids(capture_dir)
+        now = _stored_ids(capture_dir)
+        if now != stored:
+            stored, progress = now, time.monotonic()
+        elif time.monotonic() - progress > cfg.settle:
+            break
     report = capture_dir / REPORT_NAME
     engine = json.loads(report.read_text()) if report.exists() else {}
+    answered = len(todo) - len(failed)
+    if answered and not {s.id for s in todo} & stored:
+        counters = json.dumps(engine, sort_keys=True) if engine else "none written: no tap ever ran"
+        raise HstapError(f"capture-remote: the server answered {answered} prefill requests but the engine stored none "
+                         f"of them in {capture_dir} after {cfg.settle:.0f} s (engine counters: {counters}); check the "
+                         "engine log for 'No modules matched' and that it was launched with this --capture-dir")
     return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
                         missing=sorted(want - stored), failed=failed, engine=engine)

@@ -8,23 +8,32 @@
     hstap capture-remote --url http://127.0.0.1:30000 --data jsonl:synth.jsonl --capture-dir runs/sg
 
 SGLang (0.5.23, `model_executor/hook_manager.py`) calls `make_hook(config)` once per spec in every TP worker and
-registers the returned hook with `module.register_forward_hook` on the modules the spec's fnmatch patterns name,
-after CUDA-graph capture: hooks run on the eager path only. Sites, per canonical layer k:
+registers the returned hook with `module.register_forward_hook` on the modules whose whole `named_modules()` name
+fnmatches one of the spec's patterns, after CUDA-graph capture: hooks run on the eager path only. Module names and
+the layer-output contract come from the served architecture (`hstap.capture.arch`: Kimi-K2.5's layers are
+`language_model.model.layers.<k>`); `<text>` below is that prefix. Sites, per canonical layer k:
 
-- `model.layers.<k>` — reads the ForwardBatch from `args[2]`; on the lowest captured layer it decides whether this
-  forward is captured at all (pure `ForwardMode.EXTEND`, host-side lengths present, not only health probes) and
-  announces the packed layout. Decoder layers that return `(hidden_states, residual)` with the residual add deferred
-  to the next layer's norm (gemma2, olmo2, … in 0.5.23, and Llama before the layer-boundary rewrite) give
-  `output[0] + output[1]`, added into a new tensor: the next fused add-RMSNorm overwrites both in place.
-- `model.layers.<k+1>.input_layernorm` (`model.norm` for the last layer) — Llama, Qwen, DeepSeek, … in 0.5.23
-  return one tensor, or an opaque owed handle whose tensor-parallel all-reduce is still pending, and keep the
-  residual in `forward_batch.residual_stream`; the first place the completed residual exists without a collective
-  is the next norm, called as `norm(hidden, residual)` → `(normed, hidden + residual)`. Its `output[1]`, cloned, is
-  layer k's residual stream. (FlashInfer/aiter all-reduce fusion bypasses that module: `hstap serve` refuses it; a
-  forward whose tensor never came is counted, never stored.)
-- `model.norm` — `output[0]` is the final normed hidden state: the teacher (`teacher.hidden`; the trainer applies the
-  target's lm_head). SGLang's logits processor only computes logits for sampled positions, so top-k teachers cannot
-  come from the engine.
+- `<text>.layers.<k>` of the lowest captured layer reads the ForwardBatch from `args[2]` and decides whether this
+  forward is captured at all (pure `ForwardMode.EXTEND`, host-side lengths present, not only health probes), then
+  announces the packed layout. Where layers return `(hidden_states, residual)` with the add deferred (`pairs`:
+  Gemma-2 in 0.5.23; Gemma-3 too, but its layers get the batch as a keyword argument, so it is refused), every
+  captured layer is hooked and gives `output[0] + output[1]`, added into a new tensor: the next fused add-RMSNorm
+  overwrites both in place.
+- `<text>.layers.<k+1>.input_layernorm` (`<text>.norm` for the last layer) where layers return one tensor (or an
+  opaque owed handle whose tensor-parallel all-reduce is still pending) and keep the residual in
+  `forward_batch.residual_stream` (`stream`: Llama, Qwen, GLM-4, gpt-oss, Mixtral; `stream_topk`: DeepSeek-V2/V3/
+  V3.2 and Kimi, whose layers return `(hidden_states, topk_indices)` — the indices are never added to anything).
+  The first place the completed residual exists without a collective is the next norm, called as
+  `norm(hidden, residual)` → `(normed, hidden + residual)`; its `output[1]`, cloned, is layer k's residual stream.
+  (FlashInfer/aiter all-reduce fusion bypasses that module: `hstap serve` refuses it; a forward whose tensor
+  never came is counted, never stored.)
+- `<text>.norm` — `output[0]` is the final normed hidden state: the teacher (`teacher.hidden`; the trainer applies
+  the target's lm_head). SGLang's logits processor only computes logits for sampled positions, so top-k teachers
+  cannot come from the engine.
+
+An architecture missing from the table gets both kinds of site and tells the contracts apart per forward (a pair
+of same-shape floating tensors is `(hidden, residual)`). A spec that matches nothing is only a warning in SGLang's
+log; `hstap serve` watches for it and stops.
 
 Only the writer rank holds a session: attention-TP rank 0 (= TP rank 0 without DP attention); with DP attention
 each DP group's rank 0 writes its own store under `DIR/dp<R>`. Other ranks get a no-op hook. No hook syncs, runs a
@@ -40,9 +49,12 @@ from typing import Any, Callable
 
 import torch
 
-from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, session_for
+from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, is_residual_pair, session_for
+from hstap.capture.hooks import first_tensor, never_raise
+from hstap.errors import HstapError
 
 FACTORY = "hstap.capture.sglang:make_hook"
+SPEC_PREFIX = "hstap-"  # every spec's name starts with it: `hstap serve` reads SGLang's log lines about them
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py: /health_generate's rid is HEALTH_CHECK_<hex>
 # What capture needs from SGLang 0.5.23: radix-cache hits skip the cached prefix's tokens (samples with holes);
 # prefill CUDA graphs replay without running Python hooks. (0.5.23 has no --disable-piecewise-cuda-graph.)
@@ -50,20 +62,29 @@ CAPTURE_FLAGS = ["--disable-radix-cache", "--cuda-graph-backend-prefill", "disab
 
 
 def hook_specs(cfg: EngineCaptureConfig) -> list[dict[str, Any]]:
-    """The `--forward-hooks` JSON list: one spec per site, each carrying the whole capture config."""
+    """The `--forward-hooks` JSON list: one spec per site, each carrying the whole capture config. Which sites
+    depends on the architecture's layer-output contract (`cfg.layout.output`, see hstap.capture.arch): the
+    lowest captured layer always (it announces the forward), every captured layer for `pairs`, the next layer's
+    input norm (the final norm for the last layer) for `stream`/`stream_topk`, both for `auto`."""
+    layout = cfg.layout
+    if not layout.batch_positional:
+        raise HstapError(f"SGLang 0.5.23 calls {layout.architecture}'s decoder layers with forward_batch as a keyword "
+                         "argument, which a --forward-hooks hook cannot see: capture this model with --engine vllm "
+                         "or --engine hf")
     base = json.loads(cfg.model_dump_json())
     specs = []
     last = cfg.num_layers - 1
     for k in cfg.layers:
-        specs.append(_spec(f"layer-{k}", f"model.layers.{k}", {**base, "site": f"layer:{k}"}))
-        if k < last:
-            specs.append(_spec(f"residual-{k}", f"model.layers.{k + 1}.input_layernorm", {**base, "site": f"norm:{k}"}))
-    specs.append(_spec("final-norm", "model.norm", {**base, "site": "final"}))
+        if k == min(cfg.layers) or layout.output in ("pairs", "auto"):
+            specs.append(_spec(f"layer-{k}", layout.layer(k), {**base, "site": f"layer:{k}"}))
+        if k < last and layout.output != "pairs":
+            specs.append(_spec(f"residual-{k}", layout.layer_input_norm(k + 1), {**base, "site": f"norm:{k}"}))
+    specs.append(_spec("final-norm", layout.final_norm(), {**base, "site": "final"}))
     return specs
 
 
-def _spec(name: str, module: str, config: dict) -> dict[str, Any]:
-    return {"name": f"hstap-{name}", "target_modules": [module], "hook_factory": FACTORY, "config": config}
+def _spec(name: str, modules: list[str], config: dict) -> dict[str, Any]:
+    return {"name": f"{SPEC_PREFIX}{name}", "target_modules": modules, "hook_factory": FACTORY, "config": config}
 
 
 def sglang_flags(cfg: EngineCaptureConfig) -> list[str]:
@@ -127,11 +148,6 @@ def _state_for(session: EngineSession, cfg: EngineCaptureConfig) -> "_ForwardSta
     return session.adapter_state
 
 
-def _is_pair(output) -> bool:
-    return isinstance(output, (tuple, list)) and len(output) >= 2 and all(
-        isinstance(t, torch.Tensor) for t in output[:2])
-
-
 def _forward_batch(args: tuple):
     if len(args) > 2 and hasattr(args[2], "forward_mode"):
         return args[2]
@@ -146,48 +162,42 @@ class _ForwardState:
         self.first = min(cfg.layers)
         self.last_layer = cfg.num_layers - 1
         self.capture_last = self.last_layer in cfg.layers
-        self.pairs = False  # this forward's layers return (hidden, residual): the layer sites record
+        self.output = cfg.layout.output  # the architecture's layer-output contract (hstap.capture.arch)
+        self.pairs = self.output == "pairs"  # this forward's layer sites record (decided per forward for `auto`)
 
     def layer_hook(self, k: int) -> Callable:
+        @never_raise(self.session.error)
         def hook(module, args, output) -> None:
-            try:
-                if k == self.first:
-                    self._start(_forward_batch(args))
-                if self.session.active() and _is_pair(output):
-                    self.pairs = True
-                    self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: inputs get overwritten
-            except Exception as exc:  # noqa: BLE001 — never raise into the engine
-                self.session.error(exc)
-            return None
+            if k == self.first:
+                self._start(_forward_batch(args))
+            if not self.session.active():
+                return
+            if self.output == "auto" and is_residual_pair(output):
+                self.pairs = True
+            if self.pairs:  # a non-pair here is a wrong table row: the add fails and is counted
+                self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: inputs get overwritten
         return hook
 
     def norm_hook(self, k: int) -> Callable:
+        @never_raise(self.session.error)
         def hook(module, args, output) -> None:
-            try:
-                if self.session.active() and not self.pairs:
-                    self.session.record(f"hidden.{k}", _updated_residual(args, output).clone())
-            except Exception as exc:  # noqa: BLE001
-                self.session.error(exc)
-            return None
+            if self.session.active() and not self.pairs:
+                self.session.record(f"hidden.{k}", _updated_residual(args, output).clone())
         return hook
 
     def final_hook(self) -> Callable:
+        @never_raise(self.session.error)
         def hook(module, args, output) -> None:
-            try:
-                if not self.session.active():
-                    return None
-                if self.capture_last and not self.pairs:
-                    self.session.record(f"hidden.{self.last_layer}", _updated_residual(args, output).clone())
-                normed = output[0] if isinstance(output, (tuple, list)) else output
-                self.session.record("teacher", normed.clone())
-            except Exception as exc:  # noqa: BLE001
-                self.session.error(exc)
-            return None
+            if not self.session.active():
+                return
+            if self.capture_last and not self.pairs:
+                self.session.record(f"hidden.{self.last_layer}", _updated_residual(args, output).clone())
+            self.session.record("teacher", first_tensor(output).clone())
         return hook
 
     def _start(self, fb) -> None:
         """Decide on the lowest captured layer whether this forward is captured, and announce its layout."""
-        self.pairs = False
+        self.pairs = self.output == "pairs"
         session = self.session
         if session.active():
             session.tap.end()  # the previous forward died before its last site: counted by the Tap
@@ -218,6 +228,6 @@ class _ForwardState:
 def _updated_residual(args: tuple, output) -> torch.Tensor:
     """The residual stream a `norm(hidden, residual)` call produced: its second output, or — called without a
     residual — its input."""
-    if _is_pair(output):
+    if is_residual_pair(output):
         return output[1]
     return args[0]

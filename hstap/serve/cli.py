@@ -34,10 +34,12 @@ def run(cfg: ServeConfig) -> int:
         sup.start()
         result = sup.wait_ready(stop)
         if result is None:
-            if cfg.engine == "vllm" and cfg.capture_dir is not None:
-                install_vllm_taps(sup)
-            print(f"hstap serve: {cfg.engine} ready on {sup.url}; Ctrl-C stops it", flush=True)
-            result = sup.watch(stop)
+            failed = install_vllm_taps(sup) if cfg.engine == "vllm" and cfg.capture_dir is not None else ""
+            if failed:
+                result = sup.stop("capture_failed", failed)
+            else:
+                print(f"hstap serve: {cfg.engine} ready on {sup.url}; Ctrl-C stops it", flush=True)
+                result = sup.watch(stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -47,8 +49,9 @@ def run(cfg: ServeConfig) -> int:
     return 1
 
 
-def install_vllm_taps(sup) -> None:
-    """vLLM has no hook flag: start the taps in every worker through its dev RPC endpoint."""
+def install_vllm_taps(sup) -> str:
+    """vLLM has no hook flag: start the taps in every worker through its dev RPC endpoint. Returns '' or, when a
+    worker refused (a module name that is not in the served model), the one-line reason."""
     import httpx
 
     from hstap.capture.engine import EngineCaptureConfig
@@ -59,3 +62,6 @@ def install_vllm_taps(sup) -> None:
     r = httpx.post(f"{sup.url}/collective_rpc", content=rpc_body(cfg.model_dump_json()),
                    headers={"content-type": "application/json"}, timeout=120)
     print(f"hstap serve: install_taps -> HTTP {r.status_code} {r.text[:300]}", flush=True)
+    if r.status_code != 200:
+        return f"vLLM refused install_taps (HTTP {r.status_code}): {' '.join(r.text.split())[:300]}"
+    return ""

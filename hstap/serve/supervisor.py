@@ -5,6 +5,9 @@
     sup = Supervisor(ServeConfig(engine="hf", model="smollm2", port=8000, run_dir=Path("runs/serve")))
     sup.start(); sup.wait_ready(); ...; result = sup.stop()          # `hstap serve` adds sup.watch() until Ctrl-C
 
+With capture on, SGLang's log is also read for its hook registrations: a hook spec that matched no module, or more
+than one, stops the engine at once with a one-line error naming the spec (status `capture_failed`).
+
 The engine runs in its own process group; its output is teed to `RUN_DIR/engine.log` and echoed as progress with
 the phase (`loading`, `warmup`, `ready`). Ready means the engine's own ready line and then `GET /health` = 200.
 Watchdog, until ready: no new log output for `stall_timeout` seconds — or half of that while some process of the
@@ -32,13 +35,17 @@ from hstap.errors import HstapError
 from hstap.serve.config import ServeConfig
 from hstap.serve.engines import engine_spec
 
+# SGLang 0.5.23's hook_manager logs these per --forward-hooks spec (a spec matching nothing is only a warning, and
+# the engine serves on with a capture directory that stays empty). hstap's spec names start with "hstap-".
+NO_MATCH = re.compile(r"No modules matched hook spec '(hstap-[^']*)' patterns=(\[.*?\])")
+REGISTERED = re.compile(r"Registered forward hook '(hstap-[^']*)' on (\S+)")
 PHASES = [("ready", None), ("warmup", re.compile(r"warm ?up|capture cuda graph|cuda graph", re.I)),
           ("loading", re.compile(r"load|weight|shard|init", re.I))]
 
 
 @dataclass
 class ServeResult:
-    """How the engine ended. `status`: stopped | hang | crashed | timeout | interrupted."""
+    """How the engine ended. `status`: stopped | hang | crashed | timeout | interrupted | capture_failed."""
 
     status: str
     exit_code: int | None
@@ -69,6 +76,8 @@ class Supervisor:
         self._cpu_mark: tuple[float, dict[int, float]] = (0.0, {})
         self._reader: threading.Thread | None = None
         self.log_path = cfg.run_dir / "engine.log"
+        self.capture_error = ""  # set by the log reader: a capture hook that will never fire as intended
+        self._hooked: dict[str, set[str]] = {}  # hook spec -> module names SGLang registered it on
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
@@ -107,6 +116,8 @@ class Supervisor:
             code = self.proc.poll()
             if code is not None:
                 return self._ended("crashed", f"the engine exited with code {code} during {self.phase}")
+            if self.capture_error:
+                return self.stop("capture_failed", self.capture_error)
             if stop is not None and stop.is_set():
                 return self.stop("interrupted")
             if self._ready_line.is_set() and self._healthy():
@@ -128,6 +139,8 @@ class Supervisor:
             self._track_children()
             if self.proc.poll() is not None:
                 return self._ended("crashed", f"the engine exited with code {self.proc.returncode} while serving")
+            if self.capture_error:
+                return self.stop("capture_failed", self.capture_error)
         return self.stop("stopped")
 
     def stop(self, status: str = "stopped", diagnosis: str = "") -> ServeResult:
@@ -152,10 +165,25 @@ class Supervisor:
                 self._last_output = time.monotonic()
                 if self.spec.ready_line in line:
                     self._ready_line.set()
+                self._check_hooks(line)
                 if self.phase not in ("ready",):
                     self.phase = next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase)
                 if self.cfg.echo and line:
                     print(f"  {self.cfg.engine}| {line[:240]}", flush=True)
+
+    def _check_hooks(self, line: str) -> None:
+        """A capture hook spec SGLang matched to no module, or to several (it would fire twice per forward)."""
+        if self.capture_error:
+            return
+        if m := NO_MATCH.search(line):
+            self.capture_error = (f"capture hook spec '{m.group(1)}' matched no module of the served model (patterns "
+                                  f"{m.group(2)}): its module names differ from hstap/capture/arch.py's row")
+        elif m := REGISTERED.search(line):
+            names = self._hooked.setdefault(m.group(1), set())
+            names.add(m.group(2))
+            if len(names) > 1:
+                self.capture_error = (f"capture hook spec '{m.group(1)}' matched {len(names)} modules "
+                                      f"({', '.join(sorted(names))}): it must name exactly one")
 
     def _healthy(self) -> bool:
         import httpx
@@ -272,6 +300,8 @@ class Supervisor:
 
 
 def format_result(r: ServeResult, log: Path) -> str:
+    if r.status == "capture_failed" and not r.survivors:  # the diagnosis says it all: one line
+        return f"hstap serve: error: {r.diagnosis}; engine stopped (log: {log})"
     lines = [f"hstap serve: {r.diagnosis}", f"  exit code: {r.exit_code}; phase: {r.phase}; log: {log}"]
     if r.stacks_dir is not None:
         lines.append(f"  Python stacks of every engine process: {r.stacks_dir}")

@@ -6,11 +6,14 @@ tvm_ffi, ...), so this mirrors what the hooks can observe, with the names the re
 - module names `model.layers.<i>`, `model.layers.<i>.input_layernorm`, `model.norm` (LlamaForCausalLM.model);
 - RMSNorm's `forward(x, residual=None)`: with a residual, `residual += x; x = norm(residual)` *in place* (the fused
   add-RMSNorm kernel) and returns `(x, residual)`;
-- two decoder-layer contracts of SGLang 0.5.23:
-  `pairs`:    `forward(positions, hidden_states, forward_batch, residual) -> (hidden_states, residual)`, the
-              residual add deferred to the next norm (gemma2, olmo2, ... and Llama before the boundary rewrite);
-  `boundary`: `forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states`, the residual
-              held in `forward_batch.residual_stream` (Llama, Qwen, DeepSeek in 0.5.23);
+- the decoder-layer contracts of SGLang 0.5.23 (hstap.capture.arch names them):
+  `pairs`:       `forward(positions, hidden_states, forward_batch, residual) -> (hidden_states, residual)`, the
+                 residual add deferred to the next norm (Gemma-2, ...);
+  `stream`:      `forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states`, the
+                 residual held in `forward_batch.residual_stream` (Llama, Qwen in 0.5.23);
+  `stream_topk`: the same, returning `(hidden_states, topk_indices)` (DeepSeek, Kimi; the indices are an integer
+                 tensor on the sparse-attention models);
+- a wrapper that holds the causal LM as `language_model`, as Kimi-K2.5 does (`SgWrapped`);
 - vLLM 0.33's contract `forward(positions, hidden_states, residual) -> (hidden_states, residual)`, the batch layout
   coming from the forward context (here `VLLM_CONTEXT`), the model called as `model(input_ids=..., positions=...)`;
 - a packed `[T, H]` batch with per-request `extend_seq_lens_cpu` / `extend_prefix_lens_cpu`, positions, and a
@@ -161,7 +164,7 @@ class PairsLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class BoundaryLayer(PairsLayer):
+class StreamLayer(PairsLayer):
     """`forward(positions, hidden_states, forward_batch, capture_output=None) -> hidden_states` (0.5.23 Llama)."""
 
     def forward(self, positions, hidden_states, forward_batch, capture_output=None):
@@ -174,6 +177,16 @@ class BoundaryLayer(PairsLayer):
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, stream.residual = self.post_attention_layernorm(hidden_states, stream.residual)
         return self.mlp(hidden_states)
+
+
+class StreamTopkLayer(StreamLayer):
+    """DeepSeek's `-> (hidden_states, topk_indices)`: here the indexer's choice is a (T, 8) int32 tensor of
+    plausible key positions, exactly what must never be added to the hidden state."""
+
+    def forward(self, positions, hidden_states, forward_batch, capture_output=None):
+        hidden_states = super().forward(positions, hidden_states, forward_batch, capture_output)
+        topk_indices = (positions[:, None] - torch.arange(8)).clamp(min=0).to(torch.int32)  # (T, 8)
+        return hidden_states, topk_indices
 
 
 VLLM_CONTEXT: list = [None]  # the batch of the forward in flight, as vLLM's forward context would hold it
@@ -190,7 +203,8 @@ class SgModel(nn.Module):
     def __init__(self, hf_model, contract: str, kv: dict) -> None:
         super().__init__()
         cfg = hf_model.config
-        layer_cls = {"pairs": PairsLayer, "boundary": BoundaryLayer, "vllm": VllmLayer}[contract]
+        layer_cls = {"pairs": PairsLayer, "stream": StreamLayer, "stream_topk": StreamTopkLayer,
+                     "vllm": VllmLayer}[contract]
         self.contract = contract
         self.embed_tokens = hf_model.model.embed_tokens
         self.layers = nn.ModuleList(layer_cls(l, cfg, i, kv) for i, l in enumerate(hf_model.model.layers))
@@ -199,12 +213,14 @@ class SgModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.rotary = rotary
 
-    def forward(self, input_ids, positions, forward_batch):
-        hidden_states = self.embed_tokens(input_ids)  # (T, H)
-        if self.contract == "boundary":
+    def forward(self, input_ids, positions, forward_batch, inputs_embeds=None):
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, H)
+        if self.contract in ("stream", "stream_topk"):
             forward_batch.residual_stream = ResidualStream()
             for layer in self.layers:
                 hidden_states = layer(positions, hidden_states, forward_batch)
+                if self.contract == "stream_topk":
+                    hidden_states, _ = hidden_states
             hidden_states, _ = self.norm(hidden_states, forward_batch.residual_stream.residual)
             forward_batch.residual_stream = None
             return hidden_states
@@ -222,7 +238,7 @@ class SgCausalLM(nn.Module):
     """`LlamaForCausalLM`: `.model` + a tied lm_head applied, like SGLang's logits processor, to each request's
     last token only."""
 
-    def __init__(self, hf_model, contract: str = "boundary") -> None:
+    def __init__(self, hf_model, contract: str = "stream") -> None:
         super().__init__()
         self.kv: dict = {}
         self.model = SgModel(hf_model, contract, self.kv)
@@ -233,6 +249,23 @@ class SgCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, H)
         last = torch.tensor(list(torch.cumsum(torch.tensor(fb.lens), 0) - 1)) if fb.lens else torch.zeros(0).long()
         return self.lm_head(hidden[last])  # (bs, V)
+
+
+class SgWrapped(nn.Module):
+    """A multimodal wrapper's module tree (KimiK25ForConditionalGeneration: `vision_tower`, `mm_projector`,
+    `language_model` = the causal LM), served text-only. The vision tower has `layers` of its own: a pattern that
+    is not anchored at `language_model.model` would hit them."""
+
+    def __init__(self, hf_model, contract: str = "stream_topk") -> None:
+        super().__init__()
+        self.vision_tower = nn.Module()
+        self.vision_tower.layers = nn.ModuleList(nn.Identity() for _ in range(4))
+        self.mm_projector = nn.Identity()
+        self.language_model = SgCausalLM(hf_model, contract)
+        self.kv = self.language_model.kv
+
+    def forward(self, fb: FB) -> torch.Tensor:
+        return self.language_model(fb)
 
 
 def extend_batch(reqs: list[tuple[str, list[int], int]], mode=None, rids: bool = True) -> FB:
@@ -266,10 +299,29 @@ class VllmCausalLM(nn.Module):
         return self.model(input_ids, positions, VLLM_CONTEXT[0])
 
 
+class VllmWrapped(nn.Module):
+    """vLLM's KimiK25ForConditionalGeneration shape: the causal LM as `language_model`, called as a multimodal model
+    is by vLLM's v1 runners — `input_ids=None` and `inputs_embeds` that the runner computed beforehand through
+    the text model's `embed_tokens` (see `vllm_step(..., embeds=True)`)."""
+
+    def __init__(self, hf_model) -> None:
+        super().__init__()
+        self.vision_tower = nn.Identity()
+        self.language_model = VllmCausalLM(hf_model)
+        self.kv = self.language_model.kv
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, VLLM_CONTEXT[0], inputs_embeds)
+
+
 VLLM_INFO: list = [None]  # what vllm.forward_context's attention metadata says about the forward in flight
 
 
-def vllm_step(model: VllmCausalLM, reqs: list[tuple[str, list[int], int]]) -> torch.Tensor:
+def vllm_step(model: nn.Module, reqs: list[tuple[str, list[int], int]], embeds: bool = False) -> torch.Tensor:
     """One vLLM forward: decodes (one token each) first, then prefills, as vLLM orders them. While it runs,
     `VLLM_INFO[0]` holds the host-side attention-metadata facts (`max_query_len`, `num_actual_tokens`,
     `num_decode_tokens`)."""
@@ -281,6 +333,41 @@ def vllm_step(model: VllmCausalLM, reqs: list[tuple[str, list[int], int]]) -> to
     VLLM_CONTEXT[0] = fb
     VLLM_INFO[0] = {"max_query_len": max(lens), "num_actual_tokens": sum(lens), "num_decode_tokens": decodes}
     try:
+        if embeds:  # the runner embeds the scheduled tokens first, then runs the model on the embeddings
+            with torch.inference_mode():
+                inputs_embeds = model.embed_input_ids(fb.input_ids)
+            return model(input_ids=None, positions=fb.positions, inputs_embeds=inputs_embeds)
         return model(input_ids=fb.input_ids, positions=fb.positions)
     finally:
         VLLM_CONTEXT[0] = VLLM_INFO[0] = None
+
+
+def skeleton(layout, num_layers: int, first_dense: int = 1) -> nn.Module:
+    """An empty module tree with the names an engine's model of this layout has (no weights): a multimodal wrapper
+    (`vision_tower` with `layers` of its own, `mm_projector`), the causal LM (`lm_head`), the text model
+    (`embed_tokens`, `layers`, `norm`), and per layer the norms, attention and a dense MLP for the first
+    `first_dense` layers, MoE experts after (DeepSeek-V3/Kimi's `first_k_dense_replace`)."""
+    root = nn.Module()
+    root.vision_tower = nn.Module()
+    root.vision_tower.layers = nn.ModuleList(nn.Identity() for _ in range(4))
+    root.mm_projector = nn.Identity()
+    text = root
+    path = layout.text[0].split(".")
+    for depth, attr in enumerate(path):
+        child = nn.Module()
+        setattr(text, attr, child)
+        if depth == len(path) - 2:
+            child.lm_head = nn.Identity()
+        text = child
+    setattr(text, layout.embed, nn.Identity())
+    setattr(text, layout.norm, nn.Identity())
+    layers = nn.ModuleList()
+    for i in range(num_layers):
+        layer = nn.Module()
+        setattr(layer, layout.input_norm, nn.Identity())
+        layer.self_attn, layer.post_attention_layernorm = nn.Identity(), nn.Identity()
+        layer.mlp = nn.Identity() if i < first_dense else nn.ModuleDict({"gate": nn.Identity(),
+                                                                          "experts": nn.Identity()})
+        layers.append(layer)
+    setattr(text, layout.layers, layers)
+    return root

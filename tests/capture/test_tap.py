@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hstap.capture.hf import hf_taps
 from hstap.capture.layers import to_hf_hidden_states_index
 from hstap.capture.tap import Batch, Tap
 from hstap.config import TeacherSpec
-from hstap.capture.hf import hf_taps
 
 LAYERS = [1, 14, 26]
 TEXTS = [

@@ -5,17 +5,20 @@ import; the last test runs the real engine where it is importable (see docs/engi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import hstap.capture.vllm as hv
-from hstap.capture.engine import REQUESTS_NAME
-from hstap.capture.engine import EngineCaptureConfig
+from hstap.capture.arch import VLLM
+from hstap.capture.engine import REQUESTS_NAME, EngineCaptureConfig
+from hstap.errors import HstapError
 from hstap.store import open_store
 from hstap.store.compare import compare_stores
-from tests.capture.engine_model import VLLM_INFO, VllmCausalLM, vllm_step
 from tests.capture.conftest import LAYERS
+from tests.capture.engine_model import VLLM_INFO, VllmCausalLM, VllmWrapped, skeleton, vllm_step
+from tests.capture.test_arch import KIMI_K25, SEED_LAYERS
 
 
 class FakeWorker(hv.HstapWorkerExtension):
@@ -68,6 +71,62 @@ def test_prefix_cache_hit_is_refused(worker, samples):
     report = json.loads(w.remove_taps())[str(out.resolve())]
     assert report["refused_prefix_cached"] == 1 and report.get("captured", 0) == 0, report
     assert len(open_store(out)) == 0
+
+
+def test_kimi_k25_wrapper_fed_inputs_embeds_equals_the_transformers_capture(target, tmp_path, convs, samples,
+                                                                            monkeypatch):
+    """SmolLM2 inside a Kimi-K2.5-shaped wrapper, run the way vLLM runs a multimodal model (input_ids=None): the
+    taps sit on language_model.model.* and take the token ids from the embedding's pre-hook."""
+    from hstap.models.target import resolve_model_dir
+
+    monkeypatch.setattr(hv, "forward_info", lambda: VLLM_INFO[0])
+    served = tmp_path / "kimi-shaped"
+    served.mkdir()
+    base = json.loads((resolve_model_dir("smollm2")[0] / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps({**KIMI_K25, "text_config": base}))
+    out = tmp_path / "cap"
+    out.mkdir()
+    (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
+                                                         "loss_mask": s.loss_mask}) + "\n" for s in samples))
+    cfg = EngineCaptureConfig.for_checkpoint(str(served), LAYERS, out, "vllm", dtype="fp32")
+    w = FakeWorker(VllmWrapped(target.model))
+    assert "taps on language_model.model.layers [1, 14, 29]" in w.install_taps(cfg.model_dump_json())
+    model = w.model_runner.model
+    s0, s1, s2, s3, s4 = (s.input_ids for s in samples)
+    vllm_step(model, [("a", s0, 0), ("b", s1, 0)], embeds=True)
+    vllm_step(model, [("a", [7], len(s0)), ("c", s2, 0), ("d", s3, 0), ("e", s4, 0)], embeds=True)
+    report = json.loads(w.remove_taps())[str(out.resolve())]
+    assert report["captured"] == 5 and report["errors"] == 0 and "no_input_ids" not in report["skipped"], report
+    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999)
+    assert cmp.ok, cmp.verdict()
+
+
+def test_the_extension_resolves_kimis_seed_layers_or_fails_in_one_line(tmp_path):
+    out = tmp_path / "cap"
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(KIMI_K25))
+    cfg = EngineCaptureConfig.for_checkpoint(str(tmp_path / "kimi"), SEED_LAYERS, out, "vllm")
+    model = skeleton(VLLM["KimiK25ForConditionalGeneration"], 61)
+    w = FakeWorker(model)
+    w.install_taps(cfg.model_dump_json())
+    hooked = {n for n, m in model.named_modules() if m._forward_hooks}
+    pre = {n for n, m in model.named_modules() if m._forward_pre_hooks}
+    text = "language_model.model"
+    assert hooked == {f"{text}.layers.3", f"{text}.layers.31", f"{text}.layers.59", f"{text}.norm"}, hooked
+    assert pre == {"", f"{text}.embed_tokens"}
+    w.remove_taps()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    # an unknown architecture: the served module tree decides
+    generic = cfg.model_copy(update={"layout": cfg.layout.__class__(architecture="X", text=("model",), known=False)})
+    assert f"taps on {text}.layers" in w.install_taps(generic.model_dump_json())
+    w.remove_taps()
+    # a known architecture whose row names a module that is not there: one line, and no store opened
+    wrong = cfg.model_copy(update={"layout": replace(VLLM["LlamaForCausalLM"], architecture="LlamaForCausalLM"),
+                                   "out": tmp_path / "cap2"})
+    with pytest.raises(HstapError, match=r"\(LlamaForCausalLM\): no decoder-layer list at model\.layers; "
+                                         r"ModuleLists of 61 named 'layers': \['language_model\.model\.layers'\]") as e:
+        w.install_taps(wrong.model_dump_json())
+    assert "\n" not in str(e.value) and not (tmp_path / "cap2").exists()
 
 
 @pytest.mark.engine

@@ -7,8 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from hstap.drafter import DrafterConfig
 from hstap.drafter.model import MidLayer, RMSNorm, Rotary, apply_rope

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hstap.evaluate import spec
-from hstap.evaluate.spec import _extend, speculative_generate, vanilla_generate
 from hstap.evaluate.shapes import DraftShape
+from hstap.evaluate.spec import _extend, speculative_generate, vanilla_generate
 from hstap.evaluate.tree import DraftTree
 from tests.evaluate.conftest import MAX_NEW
 from tests.evaluate.tiny import exact_joint, tiny_drafter, tiny_target

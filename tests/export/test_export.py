@@ -18,8 +18,8 @@ from transformers import AutoConfig, LlamaConfig
 from hstap.cli import main
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, draft_to_target_ids
 from hstap.errors import HstapError
-from hstap.export.write import export_drafter
 from hstap.export.formats import FORMATS, expected_shapes, export_vllm, sglang_layer_ids, vllm_layer_ids
+from hstap.export.write import export_drafter
 
 SMOLLM2_IDS = [1, 14, 26]  # canonical EAGLE-3 default for 30 layers: [1, L//2 - 1, L - 4]
 DRAFT_VOCAB = 2048

@@ -4,10 +4,15 @@ MODE `hang`: prints SGLang-like loading lines, announces warmup, starts two work
 own session, out of the process group, as a detached scheduler would be) and then busy-loops itself.
 MODE `crash`: prints loading lines and dies with a traceback, exit code 3.
 MODE `healthy`: prints SGLang's ready line and answers GET /health on --port; one idle worker child.
+MODE `nomatch` / `twomatch`: `healthy`, after logging what SGLang 0.5.23's hook_manager logs for the
+`--forward-hooks` specs it was given: every spec registered on its first pattern, except the last spec, which
+matched no module (`nomatch`), or the first spec, registered on a second module too (`twomatch`); each such
+line is logged once per TP rank, as SGLang's workers do. Then it answers POST /v1/completions with 200 too.
 Every pid it starts is appended to $FAKE_PIDS (one per line) so the test can check that none survives.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -30,10 +35,24 @@ def worker(cmd: str, detach: bool = False) -> None:
     record(child.pid)
 
 
+def log_hook_registration(specs: list, mode: str) -> None:
+    for rank in range(2):
+        for i, spec in enumerate(specs):
+            head = f"[2026-11-29 10:00:03 TP{rank}]"
+            if mode == "nomatch" and i == len(specs) - 1:
+                print(f"{head} WARNING: No modules matched hook spec '{spec['name']}' "
+                      f"patterns={spec['target_modules']}", flush=True)
+                continue
+            print(f"{head} Registered forward hook '{spec['name']}' on {spec['target_modules'][0]}", flush=True)
+            if mode == "twomatch" and i == 0:
+                print(f"{head} Registered forward hook '{spec['name']}' on vision_tower.layers.1", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--forward-hooks", default="[]")
     args, _ = ap.parse_known_args(sys.argv[2:])
     record(os.getpid())
     print("[2026-11-29 10:00:00] Load weight begin. avail mem=139.00 GB", flush=True)
@@ -48,13 +67,23 @@ def main() -> None:
         worker("while True: pass")
         worker("while True: pass", detach=True)
         spin_forever()
-    if mode == "healthy":
+    if mode in ("nomatch", "twomatch"):
+        log_hook_registration(json.loads(args.forward_hooks), mode)
+    if mode in ("healthy", "nomatch", "twomatch"):
         from http.server import BaseHTTPRequestHandler, HTTPServer
 
         class Health(BaseHTTPRequestHandler):
             def do_GET(self):
                 self.send_response(200 if self.path == "/health" else 404)
                 self.end_headers()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                body = b'{"choices": [{"text": "."}]}'
+                self.send_response(200 if self.path == "/v1/completions" else 404)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, *a):
                 pass

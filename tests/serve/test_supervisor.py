@@ -105,6 +105,25 @@ def test_ctrl_c_stops_the_engine_group_cleanly(tmp_path):
         _cleanup(_pids(tmp_path) if (tmp_path / "pids").exists() else [])
 
 
+@pytest.mark.parametrize("mode, needle", [
+    ("nomatch", "capture hook spec 'hstap-final-norm' matched no module of the served model (patterns ['model.norm'])"),
+    ("twomatch", "capture hook spec 'hstap-layer-1' matched 2 modules (model.layers.1, vision_tower.layers.1)"),
+])
+def test_a_capture_hook_that_matches_no_module_stops_serve_in_one_line(tmp_path, mode, needle):
+    cmd, env = _serve(tmp_path, mode, "--capture-dir", str(tmp_path / "cap"), "--capture-layers", "1,14,26")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+        assert done.returncode == 1, done.stdout + done.stderr
+        final = done.stdout.strip().splitlines()[-1]
+        assert final.startswith("hstap serve: error: " + needle) and "engine stopped" in final, done.stdout
+        assert elapsed < 30, f"stopped after {elapsed:.0f} s"
+        assert _none_alive(_pids(tmp_path))
+    finally:
+        _cleanup(_pids(tmp_path) if (tmp_path / "pids").exists() else [])
+
+
 def test_flags_that_break_capture_are_refused(tmp_path, capsys):
     base = ["serve", "--engine", "sglang", "--model", "smollm2", "--capture-dir", str(tmp_path / "cap"), "--plan"]
     assert main([*base, "--", "--enable-two-batch-overlap"]) == 2
@@ -114,7 +133,7 @@ def test_flags_that_break_capture_are_refused(tmp_path, capsys):
     assert "--pp-size 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--engine", "tgi", "--model", "smollm2", "--plan"])
-    assert exit_info.value.code == 2 and "invalid choice: 'tgi' (choose from sglang, vllm, hf)" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "invalid choice: 'tgi' (choose from 'sglang', 'vllm', 'hf')" in capsys.readouterr().err
 
 
 def test_plan_shows_the_capture_flags(tmp_path, capsys):

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from hstap.cli import main
+from hstap.synth.backend import RequestFailed, TurnSampling
 from hstap.synth.config import SynthConfig
 from hstap.synth.run import run_synth
-from hstap.synth.backend import RequestFailed, TurnSampling
 from hstap.synth.server import ModelMismatch, ServerBackend
 from hstap.synth.writer import failed_path
 from tests.synth.conftest import SHORT_QUESTIONS, read_records, server, write_jsonl
