@@ -81,7 +81,7 @@ class DemoConfig(BaseModel):
         names = [name.strip() for item in value for name in str(item).split(",") if name.strip()]
         unknown = sorted(set(names) - set(STAGES))
         if unknown or not names:
-            raise ValueError(f"expected a comma-separated subset of {','.join(STAGES)}, got {','.join(names)!r}")
+            raise ValueError(f"expected a comma-separated subset of {','.join(STAGES)}")
         return names
 
 

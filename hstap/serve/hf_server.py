@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat server over a transformers target: what `hstap synth --server` and tests talk to.
 
-    python -m hstap.serve.hf_server --model smollm2 --port 8000 [--host 127.0.0.1] [--name NAME] [--max-batch 8]
+    python -m hstap.serve.hf_capture --model smollm2 --port 8000 [--host 127.0.0.1] [--name NAME] [--max-batch 8]
     curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
 
@@ -103,14 +103,3 @@ def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: 
         }
 
     return app
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The same server as `python -m hstap.serve.hf_capture` (which adds token-id completions, and taps on request)."""
-    from hstap.serve.hf_capture import main as serve
-
-    serve(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -235,9 +235,12 @@ def test_cli_smoke(run_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "canonical [1, 14, 26] = SGLang [1, 14, 26] = vLLM [2, 15, 27]" in printed and "vllm serve" in printed
     assert (out / "model.safetensors").is_file()
-    assert main(["export", "--drafter", str(run_dir), "--format", "tensorrt", "--out", str(tmp_path / "t")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "hstap: error: unknown export format 'tensorrt': expected one of sglang, vllm"
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses it, from ExportConfig's Literal choices
+        main(["export", "--drafter", str(run_dir), "--format", "tensorrt", "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and "invalid choice: 'tensorrt' (choose from 'sglang', 'vllm')" in err
+    with pytest.raises(HstapError, match="unknown export format 'tensorrt': expected one of sglang, vllm"):
+        export_drafter(run_dir, "tensorrt", tmp_path / "t")  # the Python API says the same in one line
 
 
 def test_bad_inputs_are_one_line_errors(run_dir, tmp_path):
