@@ -39,6 +39,9 @@ def test_prompt_set_fields_are_kept_in_meta(tmp_path):
     row = dict(GOOD, source="code", category="fix_bug", meta={"bug": "line 3: `<` became `<=`"})
     conv, = iter_jsonl(_write(tmp_path / "p.jsonl", [row]))
     assert conv.meta == {"bug": "line 3: `<` became `<=`", "source": "code", "category": "fix_bug"}
+    synth_out = dict(GOOD, source="runs/p.jsonl", meta=conv.meta)  # synth names its input file as the source
+    again, = iter_jsonl(_write(tmp_path / "s.jsonl", [synth_out]))
+    assert again.meta["source"] == "code"
 
 
 def test_bad_turns_are_skipped_and_counted(tmp_path):
