@@ -100,7 +100,7 @@ def python_files(root: Path, report: SkipReport, packages: tuple[str, ...] = ())
         raise HstapError(f"{root}: not a directory (expected a Python standard library)")
     missing = [p for p in packages if not ((root / p).is_dir() or (root / f"{p}.py").is_file())]
     if missing:
-        raise HstapError(f"code packages: {missing[0]!r} is not a module or package of {root}")
+        raise HstapError(f"code package {missing[0]!r} (--code-package) is not a module or package of {root}")
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel = Path(dirpath).relative_to(root).parts

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 REASONS = ("template_leftover", "too_short", "too_long", "too_few_tokens", "too_many_tokens", "not_english",
            "repetitive", "refusal", "assistant_speak", "not_a_request")
@@ -75,6 +75,13 @@ class FilterSettings(BaseModel):
     min_function_words: float = Field(0.1, ge=0.0, le=1.0)
     max_repeated_ngrams: float = Field(0.3, ge=0.0, le=1.0)
     min_compression_ratio: float = Field(0.3, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "FilterSettings":
+        for low, high in (("min_chars", "max_chars"), ("min_tokens", "max_tokens")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"{low} {getattr(self, low)} is above {high} {getattr(self, high)}")
+        return self
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,10 @@ def _code(run: _Run, tally: Tally, quota: int, target, progress: bool) -> None:
 
 def _magpie(run: _Run, tally: Tally, quota: int, target, progress: bool) -> None:
     cfg = run.cfg
-    attempt = max(tally.next_attempt or 0, run.state.next_magpie_attempt)
+    # The provenance says where the last whole round ended; a run killed inside the next round left some of that
+    # round's prompts in the file, and redoing the round (same seed, same samples) skips them by id, so every
+    # attempt is counted once. Without a provenance, the file's highest attempt is all there is to go by.
+    attempt = tally.next_attempt if tally.next_attempt is not None else run.state.next_magpie_attempt
     cap = math.ceil(cfg.max_attempts * quota)
     if run.state.produced.get("magpie", 0) >= quota or attempt >= cap:
         return

@@ -70,5 +70,5 @@ def test_the_whole_stdlib_is_walked_without_site_packages():
 def test_bad_roots_and_packages_are_one_line_errors(tmp_path):
     with pytest.raises(HstapError, match="not a directory"):
         stdlib_units(root=tmp_path / "nope")
-    with pytest.raises(HstapError, match="'nosuchpkg' is not a module or package of"):
+    with pytest.raises(HstapError, match=r"code package 'nosuchpkg' \(--code-package\) is not a module or package of"):
         stdlib_units(packages=("nosuchpkg",))

@@ -77,6 +77,11 @@ def test_settings_move_the_bounds(field, value, text, before, after):
     assert prompt_problem(text, 20, S.model_copy(update={field: value})) == after
 
 
+def test_crossed_bounds_are_refused():
+    with pytest.raises(ValueError, match="min_chars 50 is above max_chars 40"):
+        FilterSettings(min_chars=50, max_chars=40)
+
+
 def test_measures():
     assert ascii_letter_share("abc") == 1.0 and ascii_letter_share("") == 1.0
     assert ascii_letter_share("aé") == 0.5

@@ -4,14 +4,19 @@ resume after a cut line, growth, the output read back as synth's input, one-line
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from hstap.cli import main
 from hstap.data import SkipReport, open_source
+from hstap.data.appender import JsonlAppender
+from hstap.data.categories import CATEGORIES
 from hstap.data.config import PromptsConfig
 from hstap.errors import HstapError
+from hstap.synth import prompts as prompts_module
+from hstap.synth.magpie import Candidate
 from hstap.synth.prompts import build_prompts
 
 # Magpie last would make a cut line cost a model run; code last makes the resume test cheap.
@@ -128,3 +133,54 @@ def test_a_file_from_elsewhere_is_refused(tmp_path):
     out.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
     with pytest.raises(HstapError, match="was not written by hstap prompts"):
         build_prompts(PromptsConfig(out=out, total=1, sources=["code"], code_packages=["json"]), progress=False)
+
+
+class ScriptedSampler:
+    """Stands in for MagpieSampler where the test is about bookkeeping, not the model: attempt a always yields the
+    same text; every third is unfinished and every fifth repeats the one before, so drops of several kinds occur."""
+
+    nouns = ("cat tide bridge prime jazz glacier compiler tea river engine poem market violin comet forest "
+             "ledger harbor crystal tunnel orchard").split()
+
+    def __init__(self, target, seed: int, batch_size: int, **sampling):
+        self.batch_size, self.special_strings = batch_size, ["<|im_end|>"]
+
+    def round(self, start: int) -> list[Candidate]:
+        return [self._candidate(a) for a in range(start, start + self.batch_size)]
+
+    def _candidate(self, a: int) -> Candidate:
+        k = a - 1 if a % 5 == 4 else a
+        n = self.nouns
+        text = f"Can you tell me about the {n[k % 20]} of the {n[(3 * k + 1) % 20]} and the {n[(7 * k + 2) % 20]}?"
+        return Candidate(attempt=a, category=CATEGORIES[a % 8], variant=0, text=text, n_tokens=16,
+                         finish_reason="length" if a % 3 == 2 else "stop")
+
+    def close(self) -> None:
+        pass
+
+
+def test_magpie_killed_inside_a_round_resumes_to_the_same_file_and_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts_module, "MagpieSampler", ScriptedSampler)
+    model = SimpleNamespace(model_id="scripted", fingerprint="0")
+
+    def cfg(out):
+        return PromptsConfig(out=out, total=7, sources=["magpie"], batch_size=4)
+
+    straight = build_prompts(cfg(tmp_path / "a.jsonl"), target=model, progress=False)
+    write, writes = JsonlAppender.write, []
+
+    def dies_on_the_fifth(self, record):
+        writes.append(record["id"])
+        if len(writes) == 5:  # attempts 0, 1, 3 (round 1, saved), 6, then 7: killed inside round 2
+            raise KeyboardInterrupt
+        write(self, record)
+
+    monkeypatch.setattr(JsonlAppender, "write", dies_on_the_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        build_prompts(cfg(tmp_path / "b.jsonl"), target=model, progress=False)
+    monkeypatch.setattr(JsonlAppender, "write", write)
+    resumed = build_prompts(cfg(tmp_path / "b.jsonl"), target=model, progress=False)
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "a.jsonl").read_bytes()
+    a, b = straight.tallies["magpie"], resumed.tallies["magpie"]
+    assert (b.examined, b.kept, b.dropped) == (a.examined, a.kept, a.dropped)
+    assert a.adds_up() and a.kept == 7 and {"unfinished", "exact_duplicate", "surplus"} <= set(a.dropped)
