@@ -3,9 +3,11 @@
 Structural errors (a line that is not JSON, no `messages` list, a non-string role or content, no id) raise
 HstapError naming `path:line` and the field, since they mean the file is not what the user thinks it is.
 Content problems (empty turns, unknown roles, roles out of order) skip the record and count it in the report,
-by the same rules as ShareGPT. Blank lines are not records and are passed over. A record's optional `meta` object and its `source` and
-`category` strings (what `hstap prompts` writes) are kept in `Conversation.meta` (the `meta` object's own keys
-winning), so `hstap synth` carries them into its output and results can be grouped by where a prompt came from.
+by the same rules as ShareGPT. Blank lines are not records and are passed over.
+
+A record's optional `meta` object and its `source` and `category` strings (what `hstap prompts` writes) are kept
+in `Conversation.meta` (the `meta` object's own keys winning), so `hstap synth` carries them into its output and
+results can be grouped by where a prompt came from.
 
     from hstap.data import iter_jsonl
     for conv in iter_jsonl("prompts.jsonl"): ...
