@@ -1,5 +1,6 @@
 """`hstap` command line: a thin shell that turns flags into a command's config and calls its entry function.
 
+    hstap prompts --out runs/prompts.jsonl --total 3000 --source sharegpt:1 --source magpie:1 --source code:1
     hstap capture --model smollm2 --data sharegpt --limit 100 --out runs/cap
     hstap train --config run.yaml --set train.lr=3e-4 --out runs/drafter --plan
     hstap store info runs/cap [--json]
@@ -20,6 +21,8 @@ import sys
 from hstap.errors import HstapError
 
 COMMANDS = {
+    "prompts": ("hstap.synth.prompts_cli", "build a prompt set from ShareGPT, self-written (Magpie) prompts and "
+                                           "stdlib code requests"),
     "synth": ("hstap.synth.cli", "regenerate the assistant turns with the target (embedded or served)"),
     "capture": ("hstap.capture.cli", "prefill conversations through the target and store hidden states"),
     "capture-remote": ("hstap.capture.remote_cli", "prefill conversations through a tapped server (sglang, vllm, "

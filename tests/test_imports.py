@@ -118,7 +118,8 @@ def test_core_never_imports_an_engine():
         assert not roots & {"sglang", "vllm"}, f"{name} imports an engine at module level"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["capture", "--help"], ["serve", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["capture", "--help"], ["serve", "--help"],
+                                  ["prompts", "--out", "p.jsonl", "--total", "9", "--plan"]])
 def test_cli_help_imports_no_torch(argv):
     code = ("import sys, contextlib, io\nfrom hstap.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"

@@ -28,7 +28,8 @@ class CaptureConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = option("smollm2", "'smollm2' (embedded) or a transformers checkpoint dir")
-    data: str = option("sharegpt", "sharegpt | mt-bench | jsonl:PATH")
+    data: str = option("sharegpt", "sharegpt | sharegpt-all (continuation chunks recovered too) | mt-bench | "
+                                   "jsonl:PATH")
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     out: Path = option(help="store directory (re-run to resume)")
     layers: str = option("auto", LAYERS_HELP)

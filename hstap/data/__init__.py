@@ -1,4 +1,5 @@
-"""Conversation sources (ShareGPT, MT-bench, JSONL), chat rendering and assistant-only loss masks.
+"""Conversation sources (ShareGPT, MT-bench, JSONL, stdlib code requests), prompt rules and dedupe, chat rendering
+and assistant-only loss masks.
 
     from hstap.data import SkipReport, open_source, render
     report = SkipReport()

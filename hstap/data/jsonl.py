@@ -5,6 +5,10 @@ HstapError naming `path:line` and the field, since they mean the file is not wha
 Content problems (empty turns, unknown roles, roles out of order) skip the record and count it in the report,
 by the same rules as ShareGPT. Blank lines are not records and are passed over.
 
+A record's optional `meta` object and its `source` and `category` strings (what `hstap prompts` writes) are kept
+in `Conversation.meta` (the `meta` object's own keys winning), so `hstap synth` carries them into its output and
+results can be grouped by where a prompt came from.
+
     from hstap.data import iter_jsonl
     for conv in iter_jsonl("prompts.jsonl"): ...
 """
@@ -34,7 +38,7 @@ def _iter_records(path: Path, report: SkipReport | None) -> Iterator[Conversatio
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            conv_id, messages = _parse_line(line, f"{path}:{lineno}")
+            conv_id, messages, meta = _parse_line(line, f"{path}:{lineno}")
             reason = message_problem(messages)
             if reason is None and conv_id in seen:
                 reason = "duplicate_id"
@@ -43,10 +47,10 @@ def _iter_records(path: Path, report: SkipReport | None) -> Iterator[Conversatio
                     report.add(reason)
                 continue
             seen.add(conv_id)
-            yield Conversation(id=conv_id, messages=messages, source=str(path))
+            yield Conversation(id=conv_id, messages=messages, source=str(path), meta=meta)
 
 
-def _parse_line(line: str, where: str) -> tuple[str, list[dict[str, str]]]:
+def _parse_line(line: str, where: str) -> tuple[str, list[dict[str, str]], dict[str, object]]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -67,4 +71,18 @@ def _parse_line(line: str, where: str) -> tuple[str, list[dict[str, str]]]:
             if not isinstance(m.get(key), str):
                 raise HstapError(f"{where}: field 'messages[{k}].{key}' must be a string, got {m.get(key)!r}")
         messages.append({"role": m["role"], "content": m["content"]})
-    return record["id"], messages
+    return record["id"], messages, _meta(record, where)
+
+
+def _meta(record: dict, where: str) -> dict[str, object]:
+    meta = record.get("meta", {})
+    if not isinstance(meta, dict):
+        raise HstapError(f"{where}: field 'meta' must be an object, got {type(meta).__name__}")
+    meta = dict(meta)
+    for key in ("source", "category"):
+        if key in record:
+            if not isinstance(record[key], str):
+                raise HstapError(f"{where}: field '{key}' must be a string, got {record[key]!r}")
+            # synth output names its input file as `source` and keeps the prompt's own source in `meta`
+            meta.setdefault(key, record[key])
+    return meta

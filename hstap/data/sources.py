@@ -16,13 +16,15 @@ from hstap.data.sharegpt import iter_sharegpt
 from hstap.data.types import Conversation, SkipReport
 from hstap.errors import HstapError
 
-SPECS = ("sharegpt", "mt-bench", "jsonl:PATH")
+SPECS = ("sharegpt", "mt-bench", "jsonl:PATH", "sharegpt-all")
 
 
 def open_source(spec: str, limit: int | None = None, report: SkipReport | None = None) -> Iterator[Conversation]:
-    """Conversations from `spec` (one of SPECS); `limit` caps the number of valid records yielded."""
-    if spec == "sharegpt":
-        convs = iter_sharegpt(report=report)
+    """Conversations from `spec` (one of SPECS); `limit` caps the number of valid records yielded.
+
+    `sharegpt-all` is ShareGPT with its continuation chunks recovered (hstap/data/sharegpt.py)."""
+    if spec in ("sharegpt", "sharegpt-all"):
+        convs = iter_sharegpt(report=report, continuations=spec == "sharegpt-all")
     elif spec == "mt-bench":
         convs = iter(load_mtbench())
     elif spec.startswith("jsonl:") and spec[len("jsonl:"):]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
-KEPT_REASONS = frozenset({"truncated"})  # counted outcomes of items that still went through
+# counted outcomes of items that still went through (changed on the way), not drops
+KEPT_REASONS = frozenset({"truncated", "recovered_continuation", "continue_cue_dropped"})
 
 
 @dataclass

@@ -23,7 +23,8 @@ class SynthConfig(BaseModel):
                                      "servers must serve")
     servers: list[str] = option(default_factory=list, help="an OpenAI-compatible server (repeat for round-robin "
                                                            "over several)", flag="--server", metavar="URL")
-    data: str = option("sharegpt", "sharegpt | mt-bench | jsonl:PATH")
+    data: str = option("sharegpt", "sharegpt | sharegpt-all (continuation chunks recovered too) | mt-bench | "
+                                   "jsonl:PATH")
     out: Path = option(help="output FILE.jsonl (re-run to resume)")
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     temperature: float = option(0.0, "0 = greedy", ge=0.0, le=2.0)

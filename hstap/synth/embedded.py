@@ -177,6 +177,7 @@ class Engine:
         self.stepper = self._make_stepper(use_graphs, compile_step)
         self.sync_every = 8 if self.device.type == "cuda" else 1
         self._seed = seed
+        self._decoding = threading.Lock()  # the stepper's cache serves one batch at a time
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="hstap-engine", daemon=True)
@@ -191,6 +192,12 @@ class Engine:
 
     def submit(self, request: Request) -> Future:
         """Queue one request; the Future resolves to its Generation (or raises what decoding raised)."""
+        self._check(request)
+        future: Future = Future()
+        self._jobs.put(_Job(request, future))
+        return future
+
+    def _check(self, request: Request) -> None:
         if self._closed:
             raise HstapError("engine is closed")
         if not request.prompt:
@@ -198,14 +205,22 @@ class Engine:
         if len(request.prompt) + request.max_new_tokens > self.max_len:
             raise HstapError(f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} "
                              f"exceeds the model's {self.max_len} positions: lower max_new_tokens or the prompt")
-        future: Future = Future()
-        self._jobs.put(_Job(request, future))
-        return future
 
     def generate(self, requests: list[Request], timeout: float | None = None) -> list[Generation]:
         """Submit all and wait: convenient for callers that already hold a list."""
         futures = [self.submit(r) for r in requests]
         return [f.result(timeout=timeout) for f in futures]
+
+    def generate_batch(self, requests: list[Request]) -> list[Generation]:
+        """Decode exactly `requests` as one batch, on the caller's thread, seeded by the first request's seed.
+
+        `generate` lets the worker batch whatever is waiting, so which rows share a batch (and so the sampled
+        tokens) depends on thread timing; here the batch is fixed, so sampled output is reproducible."""
+        if not 0 < len(requests) <= self.max_batch:
+            raise HstapError(f"generate_batch takes 1 to max_batch={self.max_batch} requests, got {len(requests)}")
+        for request in requests:
+            self._check(request)
+        return self._decode(requests)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish the batch in progress, fail the waiting requests, stop the worker."""
@@ -253,10 +268,14 @@ class Engine:
                 job.future.set_exception(HstapError("engine closed before this request ran"))
 
     def _decode(self, requests: list[Request]) -> list[Generation]:
+        with self._decoding:
+            return self._decode_unlocked(requests)
+
+    def _decode_unlocked(self, requests: list[Request]) -> list[Generation]:
         longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
         if longest > self.max_len and len(requests) > 1:  # each fits alone (submit checked): split the batch
             half = len(requests) // 2
-            return self._decode(requests[:half]) + self._decode(requests[half:])
+            return self._decode_unlocked(requests[:half]) + self._decode_unlocked(requests[half:])
         seed = requests[0].seed
         if seed is None:
             seed, self._seed = self._seed, self._seed + 1

@@ -31,6 +31,17 @@ def test_round_trip_keeps_messages_and_ignores_extras(tmp_path):
     assert convs[0].messages == rows[0]["messages"]
     assert convs[1].messages == _msgs(("user", "prompt only"))  # extra keys dropped, trailing user kept
     assert convs[0].source == path and report.counts == {}
+    assert convs[0].meta == {} and convs[1].meta == {}
+
+
+def test_prompt_set_fields_are_kept_in_meta(tmp_path):
+    """What `hstap prompts` writes beside the messages reaches synth's output through Conversation.meta."""
+    row = dict(GOOD, source="code", category="fix_bug", meta={"bug": "line 3: `<` became `<=`"})
+    conv, = iter_jsonl(_write(tmp_path / "p.jsonl", [row]))
+    assert conv.meta == {"bug": "line 3: `<` became `<=`", "source": "code", "category": "fix_bug"}
+    synth_out = dict(GOOD, source="runs/p.jsonl", meta=conv.meta)  # synth names its input file as the source
+    again, = iter_jsonl(_write(tmp_path / "s.jsonl", [synth_out]))
+    assert again.meta["source"] == "code"
 
 
 def test_bad_turns_are_skipped_and_counted(tmp_path):
@@ -64,6 +75,8 @@ GOOD = {"id": "ok", "messages": _msgs(("user", "q"), ("assistant", "a"))}
     ({"id": "x", "messages": [{"role": "user"}]}, r"c\.jsonl:2: field 'messages\[0\]\.content' must be a string"),
     ({"id": "x", "messages": ["q"]}, r"c\.jsonl:2: field 'messages\[0\]' must be an object"),
     ("[1, 2]", r"c\.jsonl:2: expected a JSON object, got list"),
+    (dict(GOOD, meta=[1]), r"c\.jsonl:2: field 'meta' must be an object, got list"),
+    (dict(GOOD, category=3), r"c\.jsonl:2: field 'category' must be a string, got 3"),
 ])
 def test_structural_errors_name_path_line_and_field(tmp_path, bad, expected):
     path = _write(tmp_path / "c.jsonl", [GOOD, bad])
@@ -94,3 +107,11 @@ def test_open_source_sharegpt_limit():
     report = SkipReport()
     convs = list(open_source("sharegpt", limit=5, report=report))
     assert len(convs) == 5 and convs[0].id == "QWJhYvA_0"
+    assert not any(c.meta for c in convs)
+
+
+def test_open_source_sharegpt_all_recovers_continuations():
+    report = SkipReport()
+    convs = list(open_source("sharegpt-all", limit=40, report=report))
+    assert len(convs) == 40 and "first_not_user" not in report.counts
+    assert report.counts.get("recovered_continuation", 0) == sum(bool(c.meta) for c in convs) > 0
