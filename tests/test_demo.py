@@ -1,32 +1,52 @@
 """`hstap demo` end to end on the smoke preset: every stage runs and the final table names the outputs."""
 
+import contextlib
+import dataclasses
+import io
+import shutil
+
+import pytest
+
 from hstap.cli import main
 
 
-def test_demo_smoke_runs_every_stage(tmp_path, capsys):
-    assert main(["demo", "--preset", "smoke", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One full smoke-preset run (synth → capture → train → eval → export) and its console output."""
+    out = tmp_path_factory.mktemp("demo")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--preset", "smoke", "--out", str(out)]) == 0
+    return out, printed.getvalue()
+
+
+def test_demo_smoke_runs_every_stage(smoke_run):
+    out, printed = smoke_run
     for stage in ("synth", "capture", "train", "eval", "export"):
-        assert f"── {stage}" in out
-    assert "τ, " in out and "speedup" in out
-    assert (tmp_path / "drafter" / "model.safetensors").exists()
-    assert (tmp_path / "drafter" / "report.md").exists()
-    assert (tmp_path / "export-sglang" / "config.json").exists()
-    # a second run reuses what the first left: synth and capture resume with nothing to do
-    assert main(["demo", "--preset", "smoke", "--out", str(tmp_path)]) == 0
+        assert f"── {stage}" in printed
+    assert "τ, " in printed and "speedup" in printed
+    assert (out / "drafter" / "model.safetensors").exists()
+    assert (out / "drafter" / "report.md").exists()
+    assert (out / "export-sglang" / "config.json").exists()
+
+
+def test_a_second_run_reuses_what_the_first_left(smoke_run, capsys):
+    out, _ = smoke_run
+    assert main(["demo", "--preset", "smoke", "--out", str(out), "--stages", "synth,capture"]) == 0
     again = capsys.readouterr().out
     assert "0 conversations to generate" in again and "0 samples" in again
 
 
-def test_online_preset_skips_the_store_and_stages_pick_a_subset(tmp_path, capsys, monkeypatch):
-    """The gpu preset's path (online training under a time budget), on the smoke preset's sizes and the CPU."""
-    import dataclasses
-
+def test_online_preset_skips_the_store_and_stages_pick_a_subset(smoke_run, tmp_path, capsys, monkeypatch):
+    """The gpu preset's path (online training under a time budget), on the smoke preset's sizes and the CPU,
+    from the smoke run's regenerated answers."""
     from hstap import demo
 
+    for name in ("prompts.jsonl", "synth.jsonl"):
+        shutil.copy(smoke_run[0] / name, tmp_path / name)
     online = dataclasses.replace(demo.PRESETS["smoke"], online=True, train_budget_s=600)
     monkeypatch.setitem(demo.PRESETS, "smoke", online)
-    assert main(["demo", "--preset", "smoke", "--out", str(tmp_path), "--stages", "synth,capture,train"]) == 0
+    assert main(["demo", "--preset", "smoke", "--out", str(tmp_path), "--stages", "capture,train"]) == 0
     out = capsys.readouterr().out
     assert "online preset" in out and "── train" in out and "── eval" not in out and "── export" not in out
     assert not (tmp_path / "store").exists()
