@@ -31,6 +31,7 @@ class Block:
     parents: torch.Tensor  # (B, N) node index of the parent, -1 = the root
     depths: torch.Tensor  # (B, N) 1 = child of the root
     q: torch.Tensor | None = None  # (B, N, Vd) draft distribution a node was sampled from (sampled chains)
+    scores: torch.Tensor | None = None  # (B, N) a tree node's cumulative draft log-prob (for inspection)
 
     @classmethod
     def chain(cls, batch: int, n: int, device: torch.device) -> "Block":
@@ -160,6 +161,8 @@ def _rerank(lean: LeanDrafter, block: Block, ids: torch.Tensor, scores: torch.Te
     block.tokens.copy_(lean.target_ids[ids.gather(1, kept)])
     block.parents.copy_(torch.where(parent >= 0, inverse.gather(1, parent.clamp(min=0)), -1))
     block.depths.copy_(depths.gather(1, kept))
+    if block.scores is not None:
+        block.scores.copy_(scores.gather(1, kept))
 
 
 def draft_ngram(history: torch.Tensor, slot, block: Block, match: int) -> None:
