@@ -47,6 +47,7 @@ class Generation:
     tokens: list[int]
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
+    stop_token: int | None = None  # the stop id that ended it (finish_reason "stop")
 
     @property
     def completion_tokens(self) -> int:
@@ -146,7 +147,7 @@ def _finish(rows: list[list[int]], requests: list[Request], stops: set[int]) -> 
         end = next((k for k, tok in enumerate(row) if tok in stops), None)
         reason = "length" if end is None else "stop"
         gens.append(Generation(tokens=row if end is None else row[:end], finish_reason=reason,
-                               prompt_tokens=len(req.prompt)))
+                               prompt_tokens=len(req.prompt), stop_token=None if end is None else row[end]))
     return gens
 
 

@@ -88,9 +88,15 @@ class SpecDecoder:
         self.lean = LeanDrafter(drafter) if shape.uses_drafter else None
         self.aux_layers = list(drafter.config.aux_layer_ids) if self.lean else []
         self.depth, self.nodes = shape.depth, shape.nodes
-        rounds = (shape.depth - 1) * shape.topk  # drafter step entries written past the committed tokens
-        self.reserve = 2 * (shape.depth + 1) + max(shape.nodes + 1, rounds) + 2
+        self.reserve = self.reservation(shape)
         self.clock: StageClock | None = None
+
+    @staticmethod
+    def reservation(shape: DraftShape) -> int:
+        """Cache columns past the answer a shape needs: a verification block or a drafting round beyond the
+        committed tokens, after up to two cycles' acceptances past max_new_tokens (one cycle runs ahead)."""
+        rounds = (shape.depth - 1) * shape.topk  # drafter step entries written past the committed tokens
+        return 2 * (shape.depth + 1) + max(shape.nodes + 1, rounds) + 2
 
     # ---- the host loop ------------------------------------------------------------------------------------
 
