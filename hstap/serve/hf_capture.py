@@ -42,7 +42,7 @@ class CompletionRequest(BaseModel):
 def add_completions(app, model_name: str) -> None:
     """Add `POST /v1/completions` (token-id prompts) to an `hf_server` app, using its batching engine."""
     from hstap.serve.hf_server import _error
-    from hstap.synth.embedded import Request
+    from hstap.runtime.engine import Request
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

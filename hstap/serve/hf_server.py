@@ -6,7 +6,7 @@
 
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, top_p, seed; no streaming, n = 1),
 `GET /v1/models`, `GET /health`. Prompts are rendered with `hstap.data.render_prompt`, i.e. token for token as
-capture renders them. Requests that arrive together are decoded as one batch by `hstap.synth.embedded.Engine`
+capture renders them. Requests that arrive together are decoded as one batch by `hstap.runtime.engine.Engine`
 (up to `max_batch` rows; CUDA graphs on a GPU).
 """
 
@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hstap.data.checks import message_problem
 from hstap.data.render import render_prompt
 from hstap.errors import HstapError
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 
 
 class ChatMessage(BaseModel):

@@ -10,7 +10,7 @@ import torch
 
 from hstap.data import render_prompt
 from hstap.serve.hf_server import create_app
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 
 NAME = "smollm2-test"
 

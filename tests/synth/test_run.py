@@ -13,7 +13,7 @@ from hstap.store import open_store
 from hstap.synth.config import SynthConfig
 from hstap.synth.run import run_synth
 from hstap.synth.backend import Completion, RequestFailed
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 from hstap.synth.run import answer
 from tests.synth.conftest import read_records, write_jsonl
 
