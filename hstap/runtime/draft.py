@@ -49,6 +49,11 @@ class Drafts:
     logits: torch.Tensor  # (B, Vd)
 
 
+def _span(slot, extra: int) -> int:
+    """The cache prefix a drafter forward attends to (`Slot.span`; the whole cache for slot stand-ins)."""
+    return slot.span(extra) if hasattr(slot, "span") else slot.length
+
+
 def _causal(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
@@ -65,7 +70,7 @@ def extend(lean: LeanDrafter, drafts: Drafts, slot, aux: torch.Tensor, tokens: t
     if padded_start:
         tree = tree & (torch.arange(s, device=tokens.device)[None, None] >= slot.start[:, None, None])  # (B, S, S)
     positions = (base - slot.start)[:, None] + torch.arange(s, device=tokens.device)
-    mask = block_mask(slot.start, base, slot.length, tree, lean.dtype)  # (B, 1, S, L)
+    mask = block_mask(slot.start, base, _span(slot, s), tree, lean.dtype)  # (B, 1, S, L' ≤ L)
     hidden, logits = lean.forward(tokens, lean.project(aux), positions.clamp(min=0), drafts.kv,
                                   block_columns(base, s, slot.length), mask)  # (B, S, H), (B, S, Vd)
     last = (count - 1).clamp(min=0)[:, None, None]  # (B, 1, 1) the newest entry
@@ -82,7 +87,7 @@ def _step(lean: LeanDrafter, drafts: Drafts, slot, ids: torch.Tensor, hidden: to
     (B, k, R) or (k, R): the round entries each sees (ancestors + itself). → (hidden (B, k, H), logits)."""
     k = ids.shape[1]
     positions = (slot.positions - 1 + depth)[:, None].expand(-1, k)  # (B, k)
-    mask = block_mask(slot.start, slot.write_at, slot.length, seen, lean.dtype)  # (B, 1, k, L)
+    mask = block_mask(slot.start, slot.write_at, _span(slot, seen.shape[-1]), seen, lean.dtype)  # (B, 1, k, L')
     cols = block_columns(slot.write_at + first, k, slot.length)  # (B, k)
     return lean.forward(ids, hidden, positions, drafts.kv, cols, mask)
 
@@ -139,7 +144,7 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
         base = topk + (d - 1) * topk * topk
         ids.append(top.indices.flatten(1))
         scores.append(cand)
-        parents.append(frontier.repeat_interleave(topk, dim=1))
+        parents.append(frontier[:, :, None].expand(-1, -1, topk).reshape(b, topk * topk))  # each parent k times
         depths.append(torch.full((b, topk * topk), d + 1, dtype=torch.long, device=device))
         best = cand.topk(topk, dim=-1).indices  # (B, k)
         frontier = base + best

@@ -69,8 +69,9 @@ class LeanDrafter:
         qkv = F.linear(x, self.qkv).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
         qk = rotate(qkv[:, :, : nh + nkv], cos, sin)
         kv.write(0, kv.write_index(cols), qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))
-        out = cache_attention(qk[:, :, :nh], kv.keys(0), kv.values(0), group_mask(mask, nh // nkv),
-                              hd ** -0.5)  # (B, Q, nh·hd)
+        span = mask.shape[-1]  # the cache prefix the mask covers
+        out = cache_attention(qk[:, :, :nh], kv.keys(0)[:, :, :span], kv.values(0)[:, :, :span],
+                              group_mask(mask, nh // nkv), hd ** -0.5)  # (B, Q, nh·hd)
         hidden = hidden + F.linear(out, self.o)
         gate, up = F.linear(F.rms_norm(hidden, shape, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, self.down)

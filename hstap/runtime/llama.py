@@ -105,8 +105,10 @@ class LeanLlama:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, cols: torch.Tensor,
                 mask: torch.Tensor, aux_layers: list[int] | tuple[int, ...] = (),
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions, cols (B, Q); mask (B, 1, Q, L) from `kv.block_mask` → (logits (B, Q, V) in the model
-        dtype, the residual stream after each of `aux_layers` concatenated (B, Q, n·H), or None)."""
+        """ids, positions, cols (B, Q); mask (B, 1, Q, S) from `kv.block_mask` over the first S ≤ L columns
+        (S < L: attend to a prefix of the cache, what the eager path does to skip empty columns) → (logits
+        (B, Q, V) in the model dtype, the residual stream after each of `aux_layers` concatenated (B, Q, n·H),
+        or None)."""
         h = F.embedding(ids, self.embed)  # (B, Q, H)
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, h.dtype)  # (B, Q, hd)
         mask = group_mask(mask, self.heads // self.kv_heads)  # (B, 1, G·Q, L)
@@ -131,5 +133,7 @@ class LeanLlama:
         qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
         qk = rotate(qkv[:, :, : nh + nkv], cos, sin)  # (B, Q, nh+nkv, hd)
         kv.write(i, index, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
-        out = cache_attention(qk[:, :, :nh], kv.keys(i), kv.values(i), mask, self.scale)  # (B, Q, nh·hd)
+        span = mask.shape[-1]
+        out = cache_attention(qk[:, :, :nh], kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask,
+                              self.scale)  # (B, Q, nh·hd)
         return F.linear(out, layer.o, layer.o_bias)

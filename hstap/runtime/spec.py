@@ -139,6 +139,7 @@ class SpecDecoder:
                                self._saved(st, slot))
 
         def launch(i: int) -> None:
+            slot.bound += self.depth + 1  # the most a cycle advances a row
             if self.clock:
                 self.clock.start()
             draft()
@@ -305,6 +306,7 @@ class SpecDecoder:
             count[b] = len(nodes)
             path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
         self._commit(st, slot, count.to(device), path.to(device), bonus.to(device), aux)
+        slot.bound += self.depth + 1
         if self.clock:
             self.clock.lap("verify")
 

@@ -44,6 +44,13 @@ class Slot:
         self.logits = torch.zeros(batch, lean.vocab_size, dtype=torch.float32, device=device)  # (B, V) output
         self.graphs: dict[object, Graphed] = {}
         self.buffers: dict[object, object] = {}  # per speculative method: its own static buffers
+        self.bound = 0  # host-side upper bound of every row's write_at
+        self.eager = True  # no graphs: forwards may attend to a prefix of the cache
+
+    def span(self, extra: int) -> int:
+        """Columns a forward writing up to `extra` entries past write_at must attend to: on the eager path only
+        the used prefix (a CPU skips the empty columns), with graphs the whole buffer (one shape)."""
+        return min(self.length, self.bound + extra) if self.eager else self.length
 
     @property
     def positions(self) -> torch.Tensor:
@@ -95,6 +102,7 @@ class Runtime:
         for layer, entry in enumerate(cache.layers):  # keys/values (B, H_kv, P, D)
             slot.kv.load(layer, entry.keys, entry.values, rows, width)
         slot.write_at.fill_(width)
+        slot.bound, slot.eager = width, not self.cuda_graphs
         slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
         slot.start[:rows] = width - mask.sum(-1)
         logits = out.logits[:, -1].float()  # (rows, V)
@@ -146,7 +154,7 @@ class Runtime:
         q = tokens.shape[1]
         cols = block_columns(slot.write_at, q, slot.length)  # (B, Q)
         positions = slot.positions[:, None] + depths  # (B, Q)
-        mask = block_mask(slot.start, slot.write_at, slot.length, tree, self.lean.dtype)  # (B, 1, Q, L)
+        mask = block_mask(slot.start, slot.write_at, slot.span(q), tree, self.lean.dtype)  # (B, 1, Q, S)
         return self.forward(tokens, positions, slot.kv, cols, mask, aux_layers)
 
     # ---- one-token decode ---------------------------------------------------------------------------------
@@ -158,6 +166,7 @@ class Runtime:
         assert slot is not None, "prefill must run before step"
         slot.tokens[: slot.rows, 0].copy_(tokens)
         self.graph("step", lambda: self._step_body(slot), [slot.write_at])()
+        slot.bound += 1
         return slot.logits[: slot.rows]
 
     def _step_body(self, slot: Slot) -> None:
