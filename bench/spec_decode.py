@@ -65,8 +65,9 @@ def table(records: list[dict]) -> str:
         speedup = rate / base_rate if base_rate else float("nan")
         rows[m] = {"tok/s": rate, "speedup/τ": speedup / tau}
         split = "–" if m == "vanilla" else f"{draft:.2f}"
-        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | {split} | "
-                     f"{'–' if m == 'vanilla' else f'{verify:.2f}'} | {int(t['same'])}/{len(records)} |")
+        verified = "–" if m == "vanilla" else f"{verify:.2f}"
+        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | {split} "
+                     f"| {verified} | {int(t['same'])}/{len(records)} |")
     for m in methods[1:]:
         accepted = [a for r in records for a in r["methods"][m]["accepted"]]
         depth = max(accepted, default=0)

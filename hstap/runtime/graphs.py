@@ -19,14 +19,19 @@ import torch
 
 
 class Graphed:
-    """`body` run directly (capture=False) or replayed from a CUDA graph captured at construction."""
+    """`body` run directly (capture=False) or replayed from a CUDA graph captured at construction.
+
+    `rehearse` (no CUDA needed) runs the capture's warm-up and state restore without capturing: a CPU test of
+    the graph path's bookkeeping (a body that changes state it does not declare shows up as wrong output)."""
 
     def __init__(self, body: Callable[[], None], capture: bool, pool=None, state: list[torch.Tensor] = (),
-                 warmup: int = 2):
+                 warmup: int = 2, rehearse: bool = False):
         self.body = body
         self.graph: torch.cuda.CUDAGraph | None = None
+        if not (capture or rehearse):
+            return
+        saved = [t.clone() for t in state]
         if capture:
-            saved = [t.clone() for t in state]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -36,8 +41,11 @@ class Graphed:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 body()
-            for t, s in zip(state, saved):
-                t.copy_(s)
+        else:
+            for _ in range(warmup):
+                body()
+        for t, s in zip(state, saved):
+            t.copy_(s)
 
     def __call__(self) -> None:
         if self.graph is not None:

@@ -62,17 +62,19 @@ class Runtime:
     """Prefill + static-cache forwards of one target, for up to `batch_size` rows.
 
     `cuda_graphs` (default: on CUDA) replays captured steps; `compile_step` also runs the forward through
-    torch.compile (faster kernels, a compile per shape)."""
+    torch.compile (faster kernels, a compile per shape). `rehearse` (tests, any device): do everything the graph
+    path does — capture warm-ups with their state restore, full-width attention — except capturing."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, cuda_graphs: bool | None = None,
-                 len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False):
+                 len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False,
+                 rehearse: bool = False):
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
         self.lean = LeanLlama(model)
         self.device = self.lean.embed.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
         self.forward = torch.compile(self.lean.forward, dynamic=False) if compile_step else self.lean.forward
-        self.len_bucket, self.max_slots = len_bucket, max_slots
+        self.len_bucket, self.max_slots, self.rehearse = len_bucket, max_slots, rehearse
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.slots: OrderedDict[int, Slot] = OrderedDict()
         self.slot: Slot | None = None
@@ -102,7 +104,7 @@ class Runtime:
         for layer, entry in enumerate(cache.layers):  # keys/values (B, H_kv, P, D)
             slot.kv.load(layer, entry.keys, entry.values, rows, width)
         slot.write_at.fill_(width)
-        slot.bound, slot.eager = width, not self.cuda_graphs
+        slot.bound, slot.eager = width, not (self.cuda_graphs or self.rehearse)
         slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
         slot.start[:rows] = width - mask.sum(-1)
         logits = out.logits[:, -1].float()  # (rows, V)
@@ -143,7 +145,7 @@ class Runtime:
         """The current slot's graph `key` (captured at first use, with `state` saved and restored)."""
         slot = self.slot
         if key not in slot.graphs:
-            slot.graphs[key] = Graphed(body, self.cuda_graphs, self.pool, state)
+            slot.graphs[key] = Graphed(body, self.cuda_graphs, self.pool, state, rehearse=self.rehearse)
         return slot.graphs[key]
 
     def block(self, slot: Slot, tokens: torch.Tensor, depths: torch.Tensor, tree: torch.Tensor,

@@ -38,6 +38,27 @@ def test_greedy_equals_plain_decoding(runtime, target, drafter, prompts, referen
         assert len(row.accepted) == len(row.emitted) and sum(row.emitted) == 9
 
 
+@pytest.mark.parametrize("shape", ["vanilla", "ngram:2", "chain:3", "tree:4,3,12"])
+def test_graph_path_bookkeeping(target, drafter, prompts, references, shape):
+    """What the CUDA path does besides capturing — warm-up runs of every graph body with the state restored,
+    attention over the whole cache, one cycle launched ahead — leaves the output unchanged (rows of 2; chain
+    and tree with oracle drafts, so acceptances and the cache gather run under the rehearsal too)."""
+    from hstap.runtime.decode import Request, decode
+
+    runtime = Runtime(target.model, batch_size=2, max_len=2048, rehearse=True)
+    want = [ref[:10] for ref in references[2:]]
+    if shape == "vanilla":
+        with torch.inference_mode():
+            gens = decode(runtime, [Request(p, 10) for p in prompts[2:]], 0, target.stop_ids, "cpu")
+        assert [g.tokens + ([g.stop_token] if g.stop_token is not None else []) for g in gens] == want
+        return
+    oracle = None if shape.startswith("ngram") else Oracle(prompts[2:], want, target.model.config.vocab_size, 3)
+    rows = _generate(runtime, drafter, target, prompts[2:], shape, propose=oracle, max_new=10)
+    assert [r.tokens for r in rows] == want
+    assert ("verify", shape) in runtime.slot.graphs
+    assert oracle is None or max(a for r in rows for a in r.accepted) >= 2
+
+
 class Oracle:
     """Drafts from the reference answers: right tokens at random depths and positions among wrong siblings.
 
