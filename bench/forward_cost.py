@@ -73,7 +73,7 @@ def main() -> None:
             dec._start(st, slot, prompt, prompt[:, -1], torch.zeros(1, args.prompt, 3 * model.config.hidden_size,
                                                                      dtype=model.dtype, device=model.device))
             st.pend_count.fill_(shape.depth + 1) if st.pend_count is not None else None  # a full acceptance
-            draft = rt.graph(("draft", shape.spec), lambda: dec._draft(st, slot), dec._saved(st, slot))
+            draft = rt.graph(("draft", dec.tag), lambda: dec._draft(st, slot), dec._saved(st, slot))
             drafting_ms[shape.spec] = timed(draft, args.reps, sync)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

@@ -90,6 +90,9 @@ class SpecDecoder:
         self.depth, self.nodes = shape.depth, shape.nodes
         self.reserve = self.reservation(shape)
         self.clock: StageClock | None = None
+        # graphs and buffers are bound to one decoder: several decoders of a shape on one runtime get a number each
+        self.tag = (shape.spec, runtime.decoders.get(shape.spec, 0))
+        runtime.decoders[shape.spec] = self.tag[1] + 1
 
     @staticmethod
     def reservation(shape: DraftShape) -> int:
@@ -134,9 +137,8 @@ class SpecDecoder:
         cuda = self.rt.device.type == "cuda"
         host = [torch.empty(st.out.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         events: list[torch.cuda.Event | None] = [None, None]
-        draft = self.rt.graph(("draft", self.shape.spec), lambda: self._draft(st, slot), self._saved(st, slot))
-        verify = self.rt.graph(("verify", self.shape.spec), lambda: self._verify_greedy(st, slot),
-                               self._saved(st, slot))
+        draft = self.rt.graph(("draft", self.tag), lambda: self._draft(st, slot), self._saved(st, slot))
+        verify = self.rt.graph(("verify", self.tag), lambda: self._verify_greedy(st, slot), self._saved(st, slot))
 
         def launch(i: int) -> None:
             slot.bound += self.depth + 1  # the most a cycle advances a row
@@ -181,7 +183,7 @@ class SpecDecoder:
     # ---- state --------------------------------------------------------------------------------------------
 
     def _state(self, slot: Slot) -> _State:
-        key = ("spec", self.shape.spec, id(self.lean))
+        key = ("spec", self.tag)
         if key not in slot.buffers:
             slot.buffers[key] = self._allocate(slot)
         return slot.buffers[key]

@@ -78,6 +78,7 @@ class Runtime:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.slots: OrderedDict[int, Slot] = OrderedDict()
         self.slot: Slot | None = None
+        self.decoders: dict[str, int] = {}  # speculative decoders per draft shape (their graphs are per decoder)
 
     # ---- prefill ------------------------------------------------------------------------------------------
 

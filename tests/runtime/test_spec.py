@@ -55,7 +55,7 @@ def test_graph_path_bookkeeping(target, drafter, prompts, references, shape):
     oracle = None if shape.startswith("ngram") else Oracle(prompts[2:], want, target.model.config.vocab_size, 3)
     rows = _generate(runtime, drafter, target, prompts[2:], shape, propose=oracle, max_new=10)
     assert [r.tokens for r in rows] == want
-    assert ("verify", shape) in runtime.slot.graphs
+    assert ("verify", (shape, 0)) in runtime.slot.graphs
     assert oracle is None or max(a for r in rows for a in r.accepted) >= 2
 
 
