@@ -43,7 +43,7 @@ def _totals(records: list[dict], method: str) -> dict:
     for r in records:
         g = r["methods"][method]
         for k in keys:
-            total[k] += g[k] if k != "same" else g["same_as_vanilla"]
+            total[k] += g.get(k, 0) if k != "same" else g["same_as_vanilla"]  # older logs lack the cycle split
     return total
 
 
