@@ -63,8 +63,9 @@ def main() -> None:
         slot = rt.slot
         for n in sorted(set(args.tokens) | {1} | {s.nodes + 1 for s in shapes}):
             ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
-            depths, tree = torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool).tril()
-            step = rt.graph(("forward", n), lambda: rt.block(slot, ids, depths, tree.to(model.device)), [])
+            depths = torch.arange(n, device=model.device)
+            tree = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()  # a chain of n
+            step = rt.graph(("forward", n), lambda: rt.block(slot, ids, depths, tree), [])
             forward_ms[n] = timed(step, args.reps, sync)
         drafting_ms = {}
         for shape in shapes:
@@ -72,7 +73,8 @@ def main() -> None:
             st = dec._state(slot)
             dec._start(st, slot, prompt, prompt[:, -1], torch.zeros(1, args.prompt, 3 * model.config.hidden_size,
                                                                      dtype=model.dtype, device=model.device))
-            st.pend_count.fill_(shape.depth + 1) if st.pend_count is not None else None  # a full acceptance
+            if st.pend_count is not None:
+                st.pend_count.fill_(shape.depth + 1)  # drafting after a fully accepted draft
             draft = rt.graph(("draft", dec.tag), lambda: dec._draft(st, slot), dec._saved(st, slot))
             drafting_ms[shape.spec] = timed(draft, args.reps, sync)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \

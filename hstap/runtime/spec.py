@@ -123,6 +123,8 @@ class SpecDecoder:
         slot = self.rt.slot
         st = self._state(slot)
         self._start(st, slot, ids, torch.tensor(first, device=ids.device), aux)
+        if all(r.done for r in results):
+            return results
         if all(t <= 0 for t in temps):
             self._greedy_loop(st, slot, results, max_new_tokens, stop_ids)
         else:
