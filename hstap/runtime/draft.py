@@ -128,6 +128,7 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
     parents = [torch.full((b, topk), -1, dtype=torch.long, device=device)]
     depths = [torch.ones(b, topk, dtype=torch.long, device=device)]
     frontier = torch.arange(topk, device=device).expand(b, topk)  # (B, k) candidate indices
+    drafted, score = top.indices, top.values  # (B, k) the frontier's draft ids and scores
     hidden = drafts.hidden[:, None].expand(b, topk, -1)  # (B, k, H) the frontier's parents' output
     entry = torch.full((b, topk), -1, dtype=torch.long, device=device)  # round entry of each frontier's parent
     seen = torch.zeros(b, rounds, rounds, dtype=torch.bool, device=device)  # (B, R, R) round ancestry
@@ -136,11 +137,11 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
         first = (d - 1) * topk
         inherit = seen.gather(1, entry.clamp(min=0)[:, :, None].expand(b, topk, rounds)) & (entry >= 0)[:, :, None]
         seen[:, first: first + topk] = eye[first: first + topk] | inherit  # (B, k, R)
-        tokens = lean.target_ids[torch.cat(ids, 1).gather(1, frontier)]  # (B, k)
-        out_hidden, logits = _step(lean, drafts, slot, tokens, hidden, d, first, seen[:, first: first + topk])
+        out_hidden, logits = _step(lean, drafts, slot, lean.target_ids[drafted], hidden, d, first,
+                                   seen[:, first: first + topk])
         logp = torch.log_softmax(logits.float() / (1 if scale is None else scale[:, :, None]), -1)  # (B, k, Vd)
         top = logp.topk(topk, dim=-1)  # (B, k, k)
-        cand = (torch.cat(scores, 1).gather(1, frontier)[:, :, None] + top.values).flatten(1)  # (B, k²)
+        cand = (score[:, :, None] + top.values).flatten(1)  # (B, k²)
         base = topk + (d - 1) * topk * topk
         ids.append(top.indices.flatten(1))
         scores.append(cand)
@@ -148,6 +149,7 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
         depths.append(torch.full((b, topk * topk), d + 1, dtype=torch.long, device=device))
         best = cand.topk(topk, dim=-1).indices  # (B, k)
         frontier = base + best
+        drafted, score = top.indices.flatten(1).gather(1, best), cand.gather(1, best)
         hidden = out_hidden.gather(1, (best // topk)[:, :, None].expand(-1, -1, out_hidden.shape[-1]))
         entry = first + best // topk
     _rerank(lean, block, torch.cat(ids, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1))

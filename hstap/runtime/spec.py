@@ -256,7 +256,10 @@ class SpecDecoder:
         block = st.block
         tokens = torch.cat([st.root[:, None], block.tokens], dim=1)  # (B, 1+N)
         depths = torch.cat([torch.zeros_like(block.depths[:, :1]), block.depths], dim=1)  # (B, 1+N)
-        tree = with_root(ancestors(block.parents, self.depth))  # (B, 1+N, 1+N)
+        if self.shape.kind == "tree":
+            tree = with_root(ancestors(block.parents, self.depth))  # (B, 1+N, 1+N)
+        else:  # a chain: [root, 1..K] causal
+            tree = torch.ones(self.nodes + 1, self.nodes + 1, dtype=torch.bool, device=tokens.device).tril()
         return self.rt.block(slot, tokens, depths, tree, self.aux_layers)
 
     def _verify_greedy(self, st: _State, slot: Slot) -> None:
