@@ -21,7 +21,7 @@ from hstap.data import RenderedSample
 from hstap.drafter import target_to_draft_ids
 from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.evaluate.spec import speculative_generate
-from hstap.evaluate.shapes import DraftShape
+from hstap.runtime.shapes import DraftShape
 from hstap.models import load_target
 from hstap.train.data import OnlineSource
 from hstap.train.ttt import collate, ttt_forward

@@ -1,10 +1,13 @@
-"""Cost of one target forward against the number of tokens it carries (batch 1, a KV cache of a real prompt
-length): what a verification of a chain or tree costs relative to one vanilla decoding step.
+"""What one cycle of each draft shape costs against one vanilla decoding step, on the runtime (static cache,
+lean forward, CUDA graphs on a GPU), batch 1, with a real prompt length in the cache: the break-even τ.
 
     python bench/forward_cost.py [--device cpu|cuda] [--prompt 300] [--tokens 1 2 4 8 16 32 61]
+                                 [--shapes ngram:3 chain:3 tree:8,8,60]
 
-Median of `--reps` forwards after a warm-up; the cache is cut back to the prompt after each, so every forward
-sees the same prefix. Random token ids (the cost does not depend on them).
+A target forward of Q tokens is what verifying a draft of Q-1 nodes costs; drafting is timed on its own (an
+untrained drafter of the target's shape: the cost does not depend on the weights). Break-even τ = (drafting +
+verification of the shape's block) / one decode step: a method speeds decoding up only when its τ is above it.
+Median of `--reps` after warm-up; random token ids; the cache state is left as it was after every timed call.
 """
 
 from __future__ import annotations
@@ -17,10 +20,25 @@ import sys
 import time
 
 import torch
-from transformers import DynamicCache
 
-from hstap.evaluate.spec import keep_cache
+from hstap.drafter import DrafterConfig, Eagle3Drafter
 from hstap.models import load_target
+from hstap.runtime.shapes import DraftShape
+from hstap.runtime.spec import SpecDecoder
+from hstap.runtime.target import Runtime
+
+
+def timed(fn, reps: int, sync) -> float:
+    """Median milliseconds of fn() over `reps` calls after two warm-up calls."""
+    times = []
+    for rep in range(reps + 2):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if rep >= 2:
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -28,37 +46,50 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt", type=int, default=300, help="tokens already in the KV cache")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 61])
+    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "tree:8,8,60"])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     torch.manual_seed(0)
     model = load_target("smollm2", device=args.device).model
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, args.prompt), device=args.device), past_key_values=cache,
-              use_cache=True)
-        prefix = torch.arange(args.prompt, device=args.device)
-        rows = []
-        for n in args.tokens:
-            ids = torch.randint(0, vocab, (1, n), device=args.device)
-            times = []
-            for rep in range(args.reps + 1):
-                sync()
-                t0 = time.perf_counter()
-                model(input_ids=ids, past_key_values=cache, use_cache=True)
-                sync()
-                if rep:
-                    times.append(time.perf_counter() - t0)
-                keep_cache(cache, prefix)
-            rows.append((n, 1000 * statistics.median(times)))
+    shapes = [DraftShape.parse(s) for s in args.shapes]
+    drafter = Eagle3Drafter(DrafterConfig.from_target(model.config, [1, 14, 26], 16384, "x", "x"))
+    drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
+    rt = Runtime(model, batch_size=1, max_len=args.prompt + 512, len_bucket=args.prompt + 1024, max_slots=1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=model.device)
+    forward_ms = {}
+    with torch.inference_mode():
+        rt.prefill(prompt, torch.ones_like(prompt), 256)
+        slot = rt.slot
+        for n in sorted(set(args.tokens) | {1} | {s.nodes + 1 for s in shapes}):
+            ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
+            depths = torch.arange(n, device=model.device)
+            tree = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()  # a chain of n
+            step = rt.graph(("forward", n), lambda: rt.block(slot, ids, depths, tree), [])
+            forward_ms[n] = timed(step, args.reps, sync)
+        drafting_ms = {}
+        for shape in shapes:
+            dec = SpecDecoder(rt, shape, drafter if shape.uses_drafter else None)
+            st = dec._state(slot)
+            dec._start(st, slot, prompt, prompt[:, -1], torch.zeros(1, args.prompt, 3 * model.config.hidden_size,
+                                                                     dtype=model.dtype, device=model.device))
+            if st.pend_count is not None:
+                st.pend_count.fill_(shape.depth + 1)  # drafting after a fully accepted draft
+            draft = rt.graph(("draft", dec.tag), lambda: dec._draft(st, slot), dec._saved(st, slot))
+            drafting_ms[shape.spec] = timed(draft, args.reps, sync)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, dtype {model.dtype}")
+    print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, dtype {model.dtype}, "
+          f"CUDA graphs {rt.cuda_graphs}")
     print(f"command: python {' '.join(sys.argv)}")
     print("| tokens in the forward | ms | × one token |\n|---:|---:|---:|")
-    for n, ms in rows:
-        print(f"| {n} | {ms:.1f} | {ms / rows[0][1]:.2f} |")
+    for n in args.tokens:
+        print(f"| {n} | {forward_ms[n]:.2f} | {forward_ms[n] / forward_ms[1]:.2f} |")
+    print("\n| method | drafting ms | verification ms | cycle ms | break-even τ |\n|---|---:|---:|---:|---:|")
+    for shape in shapes:
+        draft, verify = drafting_ms[shape.spec], forward_ms[shape.nodes + 1]
+        print(f"| {shape.spec} | {draft:.2f} | {verify:.2f} | {draft + verify:.2f} | "
+              f"{(draft + verify) / forward_ms[1]:.2f} |")
 
 
 if __name__ == "__main__":

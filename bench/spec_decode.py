@@ -1,13 +1,18 @@
-"""τ and wall-clock speedup of speculative decoding on MT-bench, vanilla decoding measured in the same run.
+"""τ and wall-clock speedup of speculative decoding on MT-bench: vanilla, n-gram, chain and tree in one run, on
+hstap's runtime (static KV cache, CUDA graphs on a GPU), at one or more batch sizes.
 
-    python bench/spec_decode.py --drafter runs/gpu/drafter [--limit 80] [--device cpu|cuda] [--max-new-tokens 256]
-    python bench/spec_decode.py --table runs/gpu/drafter/bench.jsonl     # the table again, from the log
+    python bench/spec_decode.py --drafter runs/gpu/drafter --device cuda --dtype bf16 --batch 1,8
+    python bench/spec_decode.py --drafter runs/gpu-drafter --device cpu --limit 4 --max-new-tokens 32
+    python bench/spec_decode.py --table runs/gpu/drafter/bench.jsonl     # the tables again, from the log
 
-Shapes: chain of 3 draft steps (4 tokens per verification at most) and an EAGLE-2 dynamic tree of depth 8 with
-60 draft tokens (top-8 per node), greedy. Warm-up runs excluded; τ = generated tokens / verification forwards
-(hstap.metrics.acceptance_length); speedup = tokens/s of the method / tokens/s of vanilla on the same prompts.
-Every finished prompt is appended to a JSONL log (default DRAFTER/bench.jsonl), so a run cut short still gives
-the table of the questions it finished.
+Defaults: 80 questions (first turn), 256 new tokens, greedy, shapes ngram:3 (prompt lookup, 3 tokens), chain:3
+(the drafter's argmax, 3 steps), tree:8,8,60 (EAGLE-2, depth 8, top-8, 60 nodes). One untimed warm-up batch per
+method (it captures the graphs). τ = generated tokens / verification forwards (hstap.metrics.acceptance_length);
+speedup = tokens/s of the method / tokens/s of vanilla, same prompts, same batches, same run; ms per cycle = wall
+time of a batch (prefill included) per verification cycle (a decode step for vanilla), with the drafting and
+verification parts as the device timed them (CUDA events; wall time on a CPU); "same" = answers identical to
+vanilla's token for token (greedy; bf16 rounding makes some differ).
+Every finished prompt is appended to a JSONL log (default DRAFTER/bench.jsonl) with its batch size.
 """
 
 from __future__ import annotations
@@ -17,86 +22,126 @@ import datetime
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from hstap.evaluate.config import EvalConfig, shape_fields
-from hstap.evaluate.run import run_eval
+from hstap.config import torch_dtype
+from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
 from hstap.metrics import acceptance_length, tokens_per_second
+from hstap.models import load_target
+from hstap.runtime.shapes import DraftShape
+
+# the issue's goals, checked under the batch-1 table: (method, what, bound)
+GOALS = [("vanilla", "tok/s", 400.0), ("chain:3", "speedup/τ", 0.85), ("tree:8,8,60", "speedup/τ", 0.70)]
+
+
+def _totals(records: list[dict], method: str) -> dict:
+    keys = ("tokens", "seconds", "verify_forwards", "emitted", "cycles", "draft_seconds", "verify_seconds", "same")
+    total = dict.fromkeys(keys, 0.0)
+    for r in records:
+        g = r["methods"][method]
+        for k in keys:
+            total[k] += g.get(k, 0) if k != "same" else g["same_as_vanilla"]  # older logs lack the cycle split
+    return total
 
 
 def table(records: list[dict]) -> str:
-    """Markdown table over the logged prompts: one row per draft shape, against the vanilla row."""
+    """Markdown table over the logged prompts of one batch size, then the goals it meets or misses."""
     methods = list(records[0]["methods"])
-    total = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "emitted": 0, "same": 0} for m in methods}
-    for r in records:
-        for m, g in r["methods"].items():
-            t = total[m]
-            t["tokens"] += g["tokens"]
-            t["seconds"] += g["seconds"]
-            t["forwards"] += g["verify_forwards"]
-            t["emitted"] += g["emitted"]
-            t["same"] += g["same_as_vanilla"]
-    base = tokens_per_second(total["vanilla"]["tokens"], total["vanilla"]["seconds"])
-    lines = ["| method | τ | tok/s | speedup | output identical to vanilla | ms per verification (incl. drafting) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    base = _totals(records, "vanilla")
+    base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
+    lines = ["| method | τ | tok/s | speedup | speedup/τ | ms per cycle | drafting ms | verification ms | same as "
+             "vanilla |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = {}
     for m in methods:
-        t = total[m]
-        rate = tokens_per_second(t["tokens"], t["seconds"])
-        tau = acceptance_length(t["emitted"], t["forwards"]) if t["forwards"] else float("nan")
-        per_forward = 1000 * t["seconds"] / t["forwards"] if t["forwards"] else float("nan")
-        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {rate / base:.2f}× | {t['same']}/{len(records)} | "
-                     f"{per_forward:.1f} |")
+        t = _totals(records, m)
+        rate = tokens_per_second(int(t["tokens"]), t["seconds"])
+        tau = acceptance_length(int(t["emitted"]), int(t["verify_forwards"])) if t["verify_forwards"] else float("nan")
+        cycle = 1000 * t["seconds"] / t["cycles"] if t["cycles"] else float("nan")
+        draft = 1000 * t["draft_seconds"] / t["cycles"] if t["cycles"] else float("nan")
+        verify = 1000 * t["verify_seconds"] / t["cycles"] if t["cycles"] else float("nan")
+        speedup = rate / base_rate if base_rate else float("nan")
+        rows[m] = {"tok/s": rate, "speedup/τ": speedup / tau}
+        split = "–" if m == "vanilla" else f"{draft:.2f}"
+        verified = "–" if m == "vanilla" else f"{verify:.2f}"
+        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | {split} "
+                     f"| {verified} | {int(t['same'])}/{len(records)} |")
     for m in methods[1:]:
         accepted = [a for r in records for a in r["methods"][m]["accepted"]]
         depth = max(accepted, default=0)
         rates = [sum(a >= k for a in accepted) / len(accepted) for k in range(1, depth + 1)]
         lines.append(f"\n{m}: verifications accepting ≥ k drafts, k = 1..{depth}: "
-                     + " / ".join(f"{r:.3f}" for r in rates))
+                     + (" / ".join(f"{r:.3f}" for r in rates) if rates else "none accepted"))
+    if records[0].get("batch", 1) == 1:
+        lines.append("")
+        for m, what, bound in GOALS:
+            if m in rows:
+                value = rows[m][what]
+                lines.append(f"goal {m} {what} ≥ {bound:g}: {value:.2f} — {'met' if value >= bound else 'MISSED'}")
     return "\n".join(lines)
+
+
+def print_tables(records: list[dict]) -> None:
+    for batch in sorted({r.get("batch", 1) for r in records}):
+        chosen = [r for r in records if r.get("batch", 1) == batch]
+        print(f"\n### batch {batch}: {len(chosen)} prompts\n\n{table(chosen)}")
+
+
+def _record(log: Path, batch: int):
+    def record(prompt, generations) -> None:
+        vanilla = generations["vanilla"].tokens
+        methods = {name: {"tokens": len(g.tokens), "seconds": g.seconds, "verify_forwards": g.verify_forwards,
+                          "emitted": sum(g.emitted), "accepted": g.accepted, "cycles": g.cycles,
+                          "draft_seconds": g.draft_seconds, "verify_seconds": g.verify_seconds,
+                          "same_as_vanilla": g.tokens == vanilla}
+                   for name, g in generations.items()}
+        with open(log, "a") as f:
+            f.write(json.dumps({"id": prompt.id, "batch": batch, "prompt_tokens": len(prompt.ids),
+                                "methods": methods}) + "\n")
+    return record
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", type=Path)
-    ap.add_argument("--table", type=Path, help="print the table of an existing log and exit")
-    ap.add_argument("--limit", type=int, default=80)
+    ap.add_argument("--table", type=Path, help="print the tables of an existing log and exit")
+    ap.add_argument("--limit", type=int, default=80, help="MT-bench questions")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on a CPU")
+    ap.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--shapes", nargs="+", default=["chain:3", "tree:8,8,60"])
+    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "tree:8,8,60"])
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="the same code, eagerly (for comparison)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.table:
-        records = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
-        print(f"{len(records)} prompts\n{table(records)}")
+        print_tables([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()])
         return
-    if args.drafter is None:
-        ap.error("--drafter is required (or --table LOG)")
-
-    log = args.log or args.drafter / "bench.jsonl"
+    shapes = [DraftShape.parse(s) for s in args.shapes]
+    if args.drafter is None and any(s.uses_drafter for s in shapes):
+        ap.error("--drafter is required for chain and tree shapes (or --table LOG)")
+    started = time.perf_counter()
+    target = load_target("smollm2", device=args.device, dtype=torch_dtype(args.dtype) if args.dtype else None)
+    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    prompts = load_prompts("mt-bench", target.tokenizer, args.limit)
+    log = args.log or (args.drafter or Path(".")) / "bench.jsonl"
     log.write_text("")
-
-    def record(prompt, generations) -> None:
-        vanilla = generations["vanilla"].tokens
-        methods = {name: {"tokens": len(g.tokens), "seconds": g.seconds, "verify_forwards": g.verify_forwards,
-                          "emitted": sum(g.emitted), "accepted": g.accepted, "same_as_vanilla": g.tokens == vanilla}
-                   for name, g in generations.items()}
-        with open(log, "a") as f:
-            f.write(json.dumps({"id": prompt.id, "prompt_tokens": len(prompt.ids), "methods": methods}) + "\n")
-
-    cfg = EvalConfig(drafter=args.drafter, bench="mt-bench", limit=args.limit, **shape_fields(args.shapes),
-                     max_new_tokens=args.max_new_tokens, device=args.device)
-    result = run_eval(cfg, progress=True, on_prompt=record)
+    for batch in [int(b) for b in args.batch.split(",")]:
+        t0 = time.perf_counter()
+        evaluate_shapes(target.model, drafter, prompts, shapes, args.max_new_tokens, set(target.stop_ids),
+                        on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs)
+        print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     print(f"\ndate {datetime.date.today()}, device {dev}, torch {torch.__version__}, target dtype "
-          f"{result.target['dtype']}")
+          f"{str(target.model.dtype).removeprefix('torch.')}, CUDA graphs {not args.no_cuda_graphs}")
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"{len(result.prompts)} MT-bench questions (first turn), greedy, max {args.max_new_tokens} new tokens")
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    print(table(records))
-    print(f"per-prompt log: {log}; report: {result.files[0].parent / 'report.md'}")
+    print(f"{len(prompts)} MT-bench questions (first turn), greedy, max {args.max_new_tokens} new tokens, "
+          f"total {time.perf_counter() - started:.0f} s")
+    print_tables([json.loads(line) for line in log.read_text().splitlines() if line.strip()])
+    print(f"\nper-prompt log: {log}")
 
 
 if __name__ == "__main__":

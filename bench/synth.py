@@ -25,8 +25,8 @@ import torch
 from hstap.data import open_source, render_prompt
 from hstap.metrics import tokens_per_second
 from hstap.models import load_target
-from hstap.synth.embedded import EagerStepper, Request, decode, left_pad
-from hstap.synth.static import StaticStepper
+from hstap.runtime.decode import EagerStepper, Request, decode, left_pad
+from hstap.runtime.target import Runtime
 
 
 def _hardware(device: str) -> str:
@@ -71,8 +71,7 @@ def main() -> None:
     batches = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     tokens = len(prompts) * args.new
     on_cuda = args.device.startswith("cuda")
-    static = StaticStepper(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256, pad_id=pad,
-                           cuda_graphs=on_cuda)
+    static = Runtime(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256, cuda_graphs=on_cuda)
     eager = EagerStepper(model)
 
     def sync() -> None:
@@ -93,8 +92,8 @@ def main() -> None:
     methods = {"generate": run_generate, "hstap eager": lambda: run_hstap(eager),
                "hstap static" + (" + CUDA graphs" if on_cuda else ""): lambda: run_hstap(static)}
     if args.compile:
-        compiled = StaticStepper(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256, pad_id=pad,
-                                 cuda_graphs=on_cuda, compile_step=True)
+        compiled = Runtime(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256,
+                           cuda_graphs=on_cuda, compile_step=True)
         methods["hstap static + compile" + (" + graphs" if on_cuda else "")] = lambda: run_hstap(compiled)
     times: dict[str, list[float]] = {k: [] for k in methods}
     with torch.inference_mode():

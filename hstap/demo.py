@@ -38,7 +38,7 @@ class Preset:
     batch_tokens: int
     eval_questions: int
     eval_new_tokens: int
-    shapes: dict  # EvalConfig's shape fields: chain=[K...], tree=["D,TOPK,N", ...]
+    shapes: dict  # EvalConfig's shape fields: ngram=[K...], chain=[K...], tree=["D,TOPK,N", ...]
     device: str
     online: bool = False  # train with the target in-process instead of capturing a store first
     train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
@@ -48,16 +48,16 @@ PRESETS = {
     # sized to finish in well under 15 minutes on 2 CPU cores (docs/benchmarks.md has the measured time)
     "cpu": Preset(prompts=96, prompt_chars=400, new_tokens=128, synth_batch=16, max_tokens=320, epochs=4,
                   ttt_steps=4, draft_vocab=4096, lr=3e-3, batch_tokens=2048, eval_questions=8,
-                  eval_new_tokens=64, shapes={"chain": [3]}, device="cpu"),
+                  eval_new_tokens=64, shapes={"ngram": [3], "chain": [3]}, device="cpu"),
     # the whole path in about a minute, for the smoke test (tests/test_demo.py); proves wiring, not quality
     "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
                     ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
-                    eval_new_tokens=12, shapes={"chain": [2]}, device="cpu"),
+                    eval_new_tokens=12, shapes={"ngram": [2], "chain": [2]}, device="cpu"),
     # one H200: every ShareGPT prompt regenerated, online training fitted into 7 minutes (a store of these states
     # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch)
     "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=40,
                   ttt_steps=7, draft_vocab=16384, lr=2e-3, batch_tokens=16384, eval_questions=80,
-                  eval_new_tokens=256, shapes={"chain": [3], "tree": ["8,8,60"]}, device="cuda", online=True,
+                  eval_new_tokens=256, shapes={"ngram": [3], "chain": [3], "tree": ["8,8,60"]}, device="cuda", online=True,
                   train_budget_s=420),
 }
 STAGES = ("synth", "capture", "train", "eval", "export")

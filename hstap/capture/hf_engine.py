@@ -16,7 +16,7 @@ from hstap.capture.hooks import first_tensor, never_raise
 
 
 class HfEngineTaps:
-    """Hooks on a transformers causal LM served by `hstap.synth.embedded.Engine`; `remove()` takes them off."""
+    """Hooks on a transformers causal LM served by `hstap.runtime.engine.Engine`; `remove()` takes them off."""
 
     def __init__(self, model: torch.nn.Module, session: EngineSession, layers: list[int]) -> None:
         self.session = session

@@ -38,19 +38,23 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         "# hstap eval", "",
         f"Target `{tgt['model_id']}` ({tgt['dtype']} on {tgt['device']}, {tgt['torch_threads']} threads), drafter "
         f"`{cfg['drafter']}`, bench `{cfg['bench']}` ({report['prompts']} prompts, first user turn), temperature "
-        f"{cfg['temperature']}, max {cfg['max_new_tokens']} new tokens, {cfg['warmup']} warm-up run(s) excluded.",
+        f"{cfg['temperature']}, max {cfg['max_new_tokens']} new tokens, batch {cfg.get('batch', 1)}, "
+        f"{cfg['warmup']} warm-up run(s) excluded. Every method runs on hstap's runtime (static KV cache; CUDA "
+        "graphs on a GPU).",
         "",
         "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded). "
         "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run.", "",
-        "| draft shape | τ | acceptance per position | draft tokens | tokens/s | speedup | same as vanilla |",
-        "|---|---|---|---|---|---|---|",
-        f"| vanilla | 1.00 | – | 0 | {v['tokens_per_second']:.1f} | 1.00x | – |",
+        "| method | τ | acceptance per position | draft tokens | tokens/s | speedup | ms per cycle: draft / verify "
+        "| same as vanilla |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| vanilla | 1.00 | – | 0 | {v['tokens_per_second']:.1f} | 1.00x | – | – |",
     ]
     for s in report["shapes"]:
         acc = " ".join(_fmt(a) for a in s["acceptance_per_position"])
         same = "–" if s["greedy_matches_vanilla"] is None else f"{s['greedy_matches_vanilla']}/{report['prompts']}"
+        ms = f"{_fmt(s.get('draft_ms_per_cycle'), '.1f')} / {_fmt(s.get('verify_ms_per_cycle'), '.1f')}"
         lines.append(f"| {s['label']} | {_fmt(s['tau'])} | {acc} | {s['mean_draft_tokens']:.1f} | "
-                     f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {same} |")
+                     f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {ms} | {same} |")
     lines += [""] + [f"![{name}]({name})" for name in plot_names] + ["", "## Per prompt", ""]
     names = [s["shape"] for s in report["shapes"]]
     lines.append("| prompt | prompt tokens | vanilla tok/s | " + " | ".join(f"{n} τ / speedup" for n in names) + " |")

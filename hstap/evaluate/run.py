@@ -27,8 +27,8 @@ from hstap.drafter import Eagle3Drafter
 from hstap.errors import HstapError
 from hstap.evaluate.config import EvalConfig
 from hstap.evaluate.report import write_report
-from hstap.evaluate.shapes import DraftShape
-from hstap.evaluate.spec import Generation, speculative_generate, vanilla_generate
+from hstap.runtime.shapes import DraftShape
+from hstap.evaluate.spec import Generation, Methods
 from hstap.metrics import acceptance_length, tokens_per_second
 
 
@@ -66,6 +66,13 @@ class MethodResult:
     def tau(self) -> float:
         forwards = self.verify_forwards
         return acceptance_length(sum(sum(g.emitted) for g in self.generations), forwards) if forwards else float("nan")
+
+    def ms_per_cycle(self, stage: str) -> float:
+        """Milliseconds of drafting ("draft") or verification ("verify") per cycle of the decoding loop (one
+        verification forward of the whole batch), measured on the device (CUDA events; wall time on a CPU)."""
+        spent = sum(g.draft_seconds if stage == "draft" else g.verify_seconds for g in self.generations)
+        cycles = sum(g.cycles for g in self.generations)
+        return 1000 * spent / cycles if cycles else float("nan")
 
     def acceptance_per_position(self) -> list[float]:
         """Fraction of verification forwards whose k-th draft token was accepted, k = 1..depth."""
@@ -140,6 +147,7 @@ def result_dict(result: EvalResult) -> dict:
             "acceptance_per_position": [_num(a) for a in m.acceptance_per_position()],
             "tokens_per_forward_histogram": {str(k): n for k, n in m.tokens_per_forward().items()},
             "mean_draft_tokens": sum(drafted) / len(drafted) if drafted else 0.0,
+            "draft_ms_per_cycle": _num(m.ms_per_cycle("draft")), "verify_ms_per_cycle": _num(m.ms_per_cycle("verify")),
             "greedy_matches_vanilla": result.greedy_matches(m),
         })
     per_prompt = []
@@ -184,39 +192,44 @@ def load_prompts(bench: str, tokenizer, limit: int | None = None) -> list[Prompt
     return prompts
 
 
-def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter, prompts: list[Prompt],
+def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, prompts: list[Prompt],
                     shapes: list[DraftShape], max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
                     seed: int = 0, warmup: int = 1, progress: bool = True,
                     on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None,
+                    batch_size: int = 1, cuda_graphs: bool | None = None,
                     ) -> tuple[MethodResult, list[MethodResult]]:
-    """Vanilla decoding and every draft shape on every prompt, interleaved prompt by prompt.
+    """Vanilla decoding and every draft shape on every prompt, batch by batch, methods interleaved per batch.
 
-    Each method gets a generator seeded `seed + prompt index`. Warm-up runs (first prompt, up to 16 tokens) are
-    not recorded. `on_prompt(prompt, {method name: generation})` sees each prompt's results as they complete (a
-    long benchmark logs them, so a run cut short still has its finished prompts). Returns (vanilla, one
+    All methods share one runtime (its graphs are captured during the warm-up). Each batch is seeded with
+    `seed + index of its first prompt`. Warm-up runs (the first batch, up to 16 tokens) are not recorded.
+    `on_prompt(prompt, {method name: generation})` sees each prompt's results as its batch completes (a long
+    benchmark logs them, so a run cut short still has its finished prompts). Returns (vanilla, one
     MethodResult per shape)."""
+    longest = max(len(p.ids) for p in prompts) + max_new_tokens
+    methods = Methods(model, drafter, batch_size, longest, shapes, cuda_graphs)
+    device = methods.runtime.device
 
-    def generator(i: int) -> torch.Generator:
-        return torch.Generator(device=model.device).manual_seed(seed + i)
+    def run(shape: DraftShape | None, batch: list[Prompt], new_tokens: int, i: int) -> list[Generation]:
+        generator = torch.Generator(device=device).manual_seed(seed + i)
+        return methods.run(shape, [p.ids for p in batch], new_tokens, stop_ids, temperature, generator)
 
-    def run(shape: DraftShape | None, prompt: Prompt, new_tokens: int, i: int) -> Generation:
-        if shape is None:
-            return vanilla_generate(model, prompt.ids, new_tokens, stop_ids, temperature, generator(i))
-        return speculative_generate(model, drafter, prompt.ids, shape, new_tokens, stop_ids, temperature,
-                                    generator(i))
-
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     for _ in range(warmup):
         for shape in [None, *shapes]:
-            run(shape, prompts[0], min(16, max_new_tokens), 0)
+            run(shape, batches[0], min(16, max_new_tokens), 0)
     vanilla = MethodResult("vanilla", None, [])
-    methods = [MethodResult(s.spec, s, []) for s in shapes]
-    for i, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
-        vanilla.generations.append(run(None, prompt, max_new_tokens, i))
-        for method in methods:
-            method.generations.append(run(method.shape, prompt, max_new_tokens, i))
-        if on_prompt is not None:
-            on_prompt(prompt, {m.name: m.generations[-1] for m in [vanilla, *methods]})
-    return vanilla, methods
+    results = [MethodResult(s.spec, s, []) for s in shapes]
+    with tqdm(total=len(prompts), desc="eval", unit="prompt", disable=not progress) as bar:
+        for k, batch in enumerate(batches):
+            first = k * batch_size
+            vanilla.generations += run(None, batch, max_new_tokens, first)
+            for method in results:
+                method.generations += run(method.shape, batch, max_new_tokens, first)
+            for j, prompt in enumerate(batch):
+                if on_prompt is not None:
+                    on_prompt(prompt, {m.name: m.generations[first + j] for m in [vanilla, *results]})
+            bar.update(len(batch))
+    return vanilla, results
 
 
 def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
@@ -235,16 +248,17 @@ def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
 
 def run_eval(cfg: EvalConfig, progress: bool = True,
              on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None) -> EvalResult:
-    """Load target + drafter, measure vanilla and every shape on the prompts, write the report."""
+    """Load target (+ drafter), measure vanilla and every shape on the prompts, write the report."""
+    from hstap.config import torch_dtype
     from hstap.models import load_target
 
-    target = load_target(cfg.model, device=cfg.device)
-    drafter = load_drafter(cfg.drafter, target)
+    target = load_target(cfg.model, device=cfg.device, dtype=torch_dtype(cfg.dtype) if cfg.dtype else None)
+    drafter = load_drafter(cfg.drafter, target) if cfg.drafter is not None else None
     prompts = load_prompts(cfg.bench, target.tokenizer, cfg.limit)
     shapes = [DraftShape.parse(s) for s in cfg.shapes]
     vanilla, methods = evaluate_shapes(target.model, drafter, prompts, shapes, cfg.max_new_tokens,
-                                       set(target.stop_ids), cfg.temperature, cfg.seed,
-                                       cfg.warmup, progress, on_prompt)
+                                       set(target.stop_ids), cfg.temperature, cfg.seed, cfg.warmup, progress,
+                                       on_prompt, cfg.batch, cfg.cuda_graphs)
     result = EvalResult(config=cfg.resolved(),
                         target={"model_id": target.model_id, "fingerprint": target.fingerprint,
                                 "device": str(target.model.device), "dtype": dtype_name(target.model.dtype),

@@ -33,6 +33,9 @@ class ServeConfig(BaseModel):
     command: list[str] | None = option(None, "program to run instead of the engine's launcher (a wrapper, "
                                              "container or test double); it gets the same arguments",
                                        flag="--command", metavar="'PROGRAM ARGS'")
+    drafter: Path | None = option(None, "hf engine: decode speculatively with this drafter run directory")
+    draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K; default chain:3 "
+                                     "with --drafter)")
     extra: list[str] = option(default_factory=list, help="-- then engine arguments", positional=True)
     echo: bool = option(True, "echo the engine's output", cli=False)
 
@@ -64,3 +67,19 @@ class HfServerConfig(BaseModel):
     capture_layers: str | None = option(None, f"{LAYERS_HELP}; 'auto' when only --capture-dir is given")
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")
     dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    drafter: Path | None = option(None, "decode speculatively with this drafter run directory (`hstap train`)")
+    draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N or ngram:K (no drafter needed); default "
+                                     "chain:3 with --drafter")
+
+    @field_validator("draft")
+    @classmethod
+    def _known_shape(cls, value):
+        from hstap.errors import HstapError
+        from hstap.runtime.shapes import DraftShape
+
+        if value is not None:
+            try:
+                DraftShape.parse(value)
+            except HstapError as exc:
+                raise ValueError(str(exc)) from None
+        return value

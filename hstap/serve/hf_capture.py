@@ -42,7 +42,7 @@ class CompletionRequest(BaseModel):
 def add_completions(app, model_name: str) -> None:
     """Add `POST /v1/completions` (token-id prompts) to an `hf_server` app, using its batching engine."""
     from hstap.serve.hf_server import _error
-    from hstap.synth.embedded import Request
+    from hstap.runtime.engine import Request
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -59,11 +59,13 @@ def add_completions(app, model_name: str) -> None:
                           "total_tokens": gen.prompt_tokens + gen.completion_tokens}}
 
 
-def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8):
-    """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given."""
+def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8, drafter=None,
+                       draft: str | None = None):
+    """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given (they read prefill only, so
+    they work with speculative decoding too)."""
     from hstap.serve.hf_server import create_app
 
-    app = create_app(target, model_name, max_batch=max_batch)
+    app = create_app(target, model_name, max_batch=max_batch, drafter=drafter, draft=draft)
     add_completions(app, model_name)
     if cfg is not None:
         app.state.taps = HfEngineTaps(target.model, session_for(cfg), cfg.layers)
@@ -89,10 +91,16 @@ def main(argv: list[str] | None = None) -> None:
             cfg = EngineCaptureConfig.for_checkpoint(args.model, args.capture_layers or "auto", args.capture_dir,
                                                      "hf", args.dtype)
             print(f"hstap hf engine: capturing layers {cfg.layers} into {cfg.out}", flush=True)
+        drafter = None
+        if args.drafter is not None:
+            from hstap.evaluate.run import load_drafter
+
+            drafter = load_drafter(args.drafter, target)
+            print(f"hstap hf engine: speculative decoding, {args.draft or 'chain:3'} from {args.drafter}", flush=True)
+        name = args.name or target.model_id
+        app = create_capture_app(target, name, cfg, max_batch=args.max_batch, drafter=drafter, draft=args.draft)
     except HstapError as exc:
         sys.exit(f"hstap hf engine: error: {exc}")
-    name = args.name or target.model_id
-    app = create_capture_app(target, name, cfg, max_batch=args.max_batch)
     print(f"hstap hf engine: warmup done, serving {name} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

@@ -5,9 +5,10 @@
         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
 
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, top_p, seed; no streaming, n = 1),
-`GET /v1/models`, `GET /health`. Prompts are rendered with `hstap.data.render_prompt`, i.e. token for token as
-capture renders them. Requests that arrive together are decoded as one batch by `hstap.synth.embedded.Engine`
-(up to `max_batch` rows; CUDA graphs on a GPU).
+`GET /v1/models`, `GET /health`, `GET /metrics` (requests served; with a drafter the speculative totals and τ). Prompts are rendered with `hstap.data.render_prompt`, i.e. token for token as
+capture renders them. Requests that arrive together are decoded as one batch by `hstap.runtime.engine.Engine`
+(up to `max_batch` rows; CUDA graphs on a GPU), speculatively when a drafter (or an `ngram:K` draft) is given:
+greedy answers are the same tokens, only faster.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hstap.data.checks import message_problem
 from hstap.data.render import render_prompt
 from hstap.errors import HstapError
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 
 
 class ChatMessage(BaseModel):
@@ -54,9 +55,12 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
                                                                 "code": code}})
 
 
-def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: int = 256) -> FastAPI:
-    """A FastAPI app answering as `model_name` with `target` (a `hstap.models.Target`)."""
-    engine = Engine(target, max_batch=max_batch)
+def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: int = 256, drafter=None,
+               draft: str | None = None) -> FastAPI:
+    """A FastAPI app answering as `model_name` with `target` (a `hstap.models.Target`); `drafter` (an
+    Eagle3Drafter on the target's device) and/or `draft` (a draft shape) turn on speculative decoding."""
+    engine = Engine(target, max_batch=max_batch, drafter=drafter, draft=draft)
+    served = {"requests": 0, "completion_tokens": 0}
     tokenizer = target.tokenizer
 
     @asynccontextmanager
@@ -70,6 +74,11 @@ def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        """Totals since start; `speculative` (None without a drafter) holds τ = tokens per verification."""
+        return {**served, "speculative": engine.spec_stats() if engine.spec is not None else None}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -93,6 +102,8 @@ def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: 
             return _error(400, str(exc), "context_length_exceeded")
         gen = await asyncio.wrap_future(future)
         text = tokenizer.decode(gen.tokens, skip_special_tokens=False)
+        served["requests"] += 1
+        served["completion_tokens"] += gen.completion_tokens
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name,

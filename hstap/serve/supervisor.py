@@ -93,7 +93,14 @@ class Supervisor:
         elif cfg.capture_layers is not None:
             raise HstapError("--capture-layers needs --capture-dir (where the engine writes the store)")
         model = cfg.model if cfg.engine == "hf" else str(resolve_model_dir(cfg.model)[0])
-        return self.spec.command(model, cfg.host, cfg.port, capture, cfg.extra, program=cfg.command)
+        argv, env = self.spec.command(model, cfg.host, cfg.port, capture, cfg.extra, program=cfg.command)
+        if cfg.drafter is not None or cfg.draft is not None:
+            if cfg.engine != "hf":
+                raise HstapError(f"--drafter/--draft drive hstap's own hf engine; give {cfg.engine} its own "
+                                 "speculative-decoding flags after --")
+            argv += (["--drafter", str(cfg.drafter)] if cfg.drafter else []) + (["--draft", cfg.draft]
+                                                                                if cfg.draft else [])
+        return argv, env
 
     def start(self) -> None:
         argv, env = self.command()

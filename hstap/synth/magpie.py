@@ -27,7 +27,7 @@ from hstap.data.dedupe import Deduper
 from hstap.data.filters import FilterSettings, prompt_problem
 from hstap.data.types import Conversation
 from hstap.errors import HstapError
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 
 SOURCE = "magpie"
 _MARK = "HSTAP-USER-MESSAGE-STARTS-HERE"

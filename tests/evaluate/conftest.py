@@ -1,4 +1,4 @@
-"""Shared by the evaluation tests: an untrained SmolLM2 drafter, real prompts, and vanilla greedy references."""
+"""Shared by the evaluation tests: an untrained SmolLM2 drafter and real prompts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import torch
 from hstap.data import iter_sharegpt, load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
 from hstap.evaluate.run import Prompt
-from hstap.evaluate.spec import vanilla_generate
-
-MAX_NEW = 24
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +37,3 @@ def drafter(target, prompts) -> Eagle3Drafter:
 @pytest.fixture(scope="session")
 def stop_ids(target) -> set[int]:
     return set(target.stop_ids)
-
-
-@pytest.fixture(scope="session")
-def references(target, prompts, stop_ids) -> list[list[int]]:
-    """Vanilla greedy answers (our loop), MAX_NEW tokens at most."""
-    return [vanilla_generate(target.model, p.ids, MAX_NEW, stop_ids).tokens for p in prompts]

@@ -12,7 +12,7 @@ from hstap.cli import main
 from hstap.errors import HstapError
 from hstap.evaluate.config import EvalConfig
 from hstap.evaluate.run import evaluate_shapes, load_prompts, run_eval
-from hstap.evaluate.shapes import DraftShape
+from hstap.runtime.shapes import DraftShape
 
 
 @pytest.fixture
@@ -20,38 +20,49 @@ def run_dir(drafter, target, tmp_path, monkeypatch):
     """A drafter run directory as `hstap train` writes it (no embedding), and the session target reused."""
     out = tmp_path / "drafter"
     drafter.save_pretrained(out, include_embedding=False)
-    monkeypatch.setattr("hstap.models.load_target", lambda model, device="cpu": target)
+    monkeypatch.setattr("hstap.models.load_target", lambda model, device="cpu", dtype=None: target)
     return out
 
 
 def test_run_eval_writes_report_into_the_run_directory(run_dir):
-    cfg = EvalConfig(drafter=run_dir, limit=2, chain=[2], tree=["3,2,4"], max_new_tokens=8)
+    cfg = EvalConfig(drafter=run_dir, limit=3, ngram=[2], chain=[2], tree=["3,2,4"], max_new_tokens=6, batch=2,
+                     warmup=0)
     result = run_eval(cfg, progress=False)
     names = sorted(p.name for p in result.files)
     assert names == ["acceptance_per_position.png", "report.json", "report.md", "tau_distribution.png"]
     assert all(p.parent == run_dir and p.stat().st_size > 0 for p in result.files)
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["prompts"] == 2 and len(report["per_prompt"]) == 2
-    assert [s["shape"] for s in report["shapes"]] == ["chain:2", "tree:3,2,4"]
+    assert report["prompts"] == 3 and len(report["per_prompt"]) == 3  # batches of 2 and 1
+    assert [s["shape"] for s in report["shapes"]] == ["ngram:2", "chain:2", "tree:3,2,4"]
     for s in report["shapes"]:
-        assert s["greedy_matches_vanilla"] == 2
+        assert s["greedy_matches_vanilla"] == 3
+        assert s["draft_ms_per_cycle"] > 0 and s["verify_ms_per_cycle"] > 0
         assert 1.0 <= s["tau"] <= DraftShape.parse(s["shape"]).depth + 1
         assert len(s["acceptance_per_position"]) == DraftShape.parse(s["shape"]).depth
         assert s["speedup"] > 0 and s["tokens_per_second"] > 0
         assert sum(s["tokens_per_forward_histogram"].values()) == s["verify_forwards"]
-    assert report["per_prompt"][0]["vanilla"]["tokens"] == 8
+    assert report["per_prompt"][0]["vanilla"]["tokens"] == 6
     md = (run_dir / "report.md").read_text()
     assert "![acceptance_per_position.png]" in md and "tree depth 3, top-2, 4 nodes" in md
-    assert "identical to vanilla on 2/2" in result.summary()
+    assert "identical to vanilla on 3/3" in result.summary() and "ngram 2 (match ≤ 3)" in md
+
+
+def test_ngram_runs_without_a_drafter(target, tmp_path, monkeypatch):
+    monkeypatch.setattr("hstap.models.load_target", lambda model, device="cpu", dtype=None: target)
+    with pytest.raises(ValidationError, match="needs --drafter"):
+        EvalConfig(chain=[2], out=tmp_path)
+    result = run_eval(EvalConfig(ngram=[3], limit=1, max_new_tokens=6, warmup=0, out=tmp_path), progress=False)
+    assert [m.name for m in result.methods] == ["ngram:3"] and result.greedy_matches(result.methods[0]) == 1
+    assert (tmp_path / "report.md").exists()
 
 
 def test_sampling_runs_on_the_real_target(target, drafter, prompts, stop_ids):
     shapes = [DraftShape.parse("chain:2"), DraftShape.parse("tree:3,2,4")]
-    args = (target.model, drafter, prompts[:1], shapes, 8, stop_ids, 0.8, 0, 0, False)
+    args = (target.model, drafter, prompts[:1], shapes, 6, stop_ids, 0.8, 0, 0, False)
     vanilla, methods = evaluate_shapes(*args)
     again = evaluate_shapes(*args)[1]
     for m, m2 in zip(methods, again):
-        assert len(m.generations[0].tokens) == len(vanilla.generations[0].tokens) == 8
+        assert len(m.generations[0].tokens) == len(vanilla.generations[0].tokens) == 6
         assert m.generations[0].tokens == m2.generations[0].tokens  # seeded: reproducible
 
 
@@ -74,6 +85,8 @@ def test_cli_json_and_plan(run_dir, capsys):
     assert report["shapes"][0]["shape"] == "chain:2" and report["config"]["bench"] == "mt-bench"
     assert main(["eval", "--drafter", str(run_dir), "--tree", "8,8,60", "--chain", "3", "--plan"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["eval"]["shapes"] == ["chain:3", "tree:8,8,60"]
+    assert main(["eval", "--drafter", str(run_dir), "--plan"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["eval"]["shapes"] == ["ngram:3", "chain:3"]
 
 
 def test_cli_errors_are_one_line(run_dir, capsys):

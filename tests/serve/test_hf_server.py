@@ -10,7 +10,7 @@ import torch
 
 from hstap.data import render_prompt
 from hstap.serve.hf_server import create_app
-from hstap.synth.embedded import Engine, Request
+from hstap.runtime.engine import Engine, Request
 
 NAME = "smollm2-test"
 
@@ -76,6 +76,35 @@ def test_length_limit_and_sampling(client):
                                                       "top_p": 0.9, "seed": 5})
     body = resp.json()
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+
+
+def untrained_drafter(target):
+    """An untrained SmolLM2 drafter (2048-token draft vocabulary): speculative serving must not change answers."""
+    from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(target.model.config, [1, 14, 26], 2048, target.model_id, target.fingerprint)
+    drafter = Eagle3Drafter(cfg)
+    counts = torch.arange(target.model.config.vocab_size, 0, -1)
+    drafter.init_from_target(target.model, *build_draft_vocab(counts, 2048))
+    return drafter.eval()
+
+
+def test_speculative_server_answers_the_same_and_reports_tau(client, target):
+    app = create_app(target, NAME, max_batch=2, drafter=untrained_drafter(target), draft="chain:2")
+    spec = _Client(app)
+    try:
+        assert spec.get("/metrics").json()["speculative"]["tau"] is None  # no verification yet
+        for content in ["Is the sky blue? Answer yes or no.", "Name a prime number."]:
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 10, "temperature": 0}
+            plain, fast = client.post("/v1/chat/completions", json=body), spec.post("/v1/chat/completions", json=body)
+            assert fast.json()["choices"] == plain.json()["choices"] and fast.json()["usage"] == plain.json()["usage"]
+        metrics = spec.get("/metrics").json()
+    finally:
+        app.state.engine.close()
+    assert metrics["requests"] == 2 and metrics["speculative"]["draft"] == "chain:2"
+    assert metrics["speculative"]["verify_forwards"] > 0 and metrics["speculative"]["tau"] >= 1.0
+    assert client.get("/metrics").json()["speculative"] is None
 
 
 def test_bad_requests_are_openai_errors(client):

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import yaml
@@ -164,14 +165,20 @@ def _hstap(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_hf_engine_serve_synth_capture_equals_the_embedded_capture(tmp_path):
-    """The whole path on a CPU: serve (taps on) -> synth through it -> prefill the synth output through it ->
-    the engine's store equals `hstap capture` of the same file, by `hstap compare`."""
+def test_hf_engine_serve_synth_capture_equals_the_embedded_capture(tmp_path, target):
+    """The whole path on a CPU: serve (taps on, speculative decoding with a drafter) -> synth through it ->
+    prefill the synth output through it -> the engine's store equals `hstap capture` of the same file, by
+    `hstap compare`; the server's /metrics report τ."""
+    from tests.serve.test_hf_server import untrained_drafter
+
+    drafter_dir = tmp_path / "drafter"
+    untrained_drafter(target).save_pretrained(drafter_dir, include_embedding=False)
     (tmp_path / "prompts.jsonl").write_text("\n".join(CONVERSATIONS) + "\n")
     url, cap, synth = f"http://127.0.0.1:{free_port()}", tmp_path / "cap", tmp_path / "synth.jsonl"
     serve = subprocess.Popen([sys.executable, "-m", "hstap.cli", "serve", "--engine", "hf", "--model", "smollm2",
                               "--port", url.rsplit(":", 1)[1], "--capture-layers", "1,14,26", "--capture-dir",
                               str(cap), "--run-dir", str(tmp_path / "run"), "--stall-timeout", "120",
+                              "--drafter", str(drafter_dir), "--draft", "tree:3,2,4",
                               "--ready-timeout", "300"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     engine = []
@@ -186,6 +193,8 @@ def test_hf_engine_serve_synth_capture_equals_the_embedded_capture(tmp_path):
         done = _hstap("synth", "--server", url, "--data", f"jsonl:{tmp_path / 'prompts.jsonl'}", "--out", str(synth),
                       "--max-new-tokens", "12")
         assert done.returncode == 0, done.stdout + done.stderr
+        spec = httpx.get(f"{url}/metrics", timeout=10).json()["speculative"]
+        assert spec["draft"] == "tree:3,2,4" and spec["verify_forwards"] > 0 and spec["tau"] >= 1.0
         done = _hstap("capture-remote", "--url", url, "--data", f"jsonl:{synth}", "--capture-dir", str(cap),
                       "--timeout", "120")
         assert done.returncode == 0 and "3 stored" in done.stdout, done.stdout + done.stderr

@@ -1,4 +1,5 @@
-"""The embedded decode loop against `model.generate`, the static-cache path against the eager one, sampling, Engine."""
+"""The decode loop against `model.generate`, the runtime (static cache, lean forward) against transformers' own
+DynamicCache path, sampling, the Engine (plain and speculative)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from hstap.data import open_source, render_prompt
-from hstap.synth.embedded import EagerStepper, Engine, Request, decode, left_pad
-from hstap.synth.static import StaticStepper
+from hstap.runtime.decode import EagerStepper, Request, decode, left_pad
+from hstap.runtime.engine import Engine
+from hstap.runtime.target import Runtime
 
 NEW = 16
 
@@ -50,10 +52,9 @@ def test_greedy_equals_generate_token_for_token(target, prompts, eager):
         assert gen.prompt_tokens == len(prompt) and gen.completion_tokens == len(produced)
 
 
-def test_static_cache_path_equals_eager(target, prompts, eager):
+def test_runtime_equals_eager(target, prompts, eager):
     # batch_size above the row count: the dummy rows a CUDA graph pads with are exercised too
-    stepper = StaticStepper(target.model, batch_size=len(prompts) + 2, max_len=2048,
-                            pad_id=target.tokenizer.pad_token_id, cuda_graphs=False)
+    stepper = Runtime(target.model, batch_size=len(prompts) + 2, max_len=2048, cuda_graphs=False)
     static = _decode(target, stepper, [Request(p, NEW) for p in prompts])
     assert [(g.tokens, g.finish_reason) for g in static] == [(g.tokens, g.finish_reason) for g in eager]
 
@@ -99,6 +100,21 @@ def test_engine_batches_requests_from_threads(target, prompts, eager):
         engine.submit(Request(prompts[0], 4))
 
 
+def test_speculative_engine_gives_the_plain_answers_and_counts_tau(target, prompts, eager):
+    engine = Engine(target, max_batch=4, draft="ngram:3")
+    try:
+        limits = [8, 5, 8, 8]  # per-row max_new_tokens cut the speculative rows too
+        gens = engine.generate([Request(p, n) for p, n in zip(prompts, limits)])
+        stats = engine.spec_stats()
+    finally:
+        engine.close()
+    for gen, ref, n in zip(gens, eager, limits):
+        assert gen.tokens == ref.tokens[:n]
+        assert gen.finish_reason == ("length" if n < len(ref.tokens) + (ref.finish_reason == "stop") else
+                                     ref.finish_reason)
+    assert stats["draft"] == "ngram:3" and stats["verify_forwards"] > 0 and stats["tau"] >= 1.0
+
+
 def test_prompt_past_the_context_is_refused(target):
     engine = Engine(target, max_batch=2, max_len=64)
     try:
@@ -118,9 +134,9 @@ def test_cuda_graph_decode_equals_static_eager_and_generate():
     pad, stops = target.tokenizer.pad_token_id, target.stop_ids
     reqs = [Request(p, 32) for p in prompts]
     with torch.inference_mode():
-        graph = decode(StaticStepper(target.model, 16, 2048, pad, cuda_graphs=True), reqs, pad, stops, "cuda",
+        graph = decode(Runtime(target.model, 16, 2048, cuda_graphs=True), reqs, pad, stops, "cuda",
                        sync_every=8)
-        plain = decode(StaticStepper(target.model, 16, 2048, pad, cuda_graphs=False), reqs, pad, stops, "cuda")
+        plain = decode(Runtime(target.model, 16, 2048, cuda_graphs=False), reqs, pad, stops, "cuda")
         ids, mask = left_pad(prompts, pad, "cuda")
         ref = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
     # same ops, but cuBLAS may pick other algorithms under capture: bf16 rounding can flip a late token

@@ -22,9 +22,16 @@ from __future__ import annotations
 import torch
 
 
-def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in fp32; (…, V) → (…, V)."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) in fp32, restricted to the top-p nucleus and renormalised when top_p < 1;
+    (…, V) → (…, V). The nucleus keeps the tokens ranked above mass top_p (at least one), as `pick_next`."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return p
+    sorted_p, order = p.sort(dim=-1, descending=True)
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass ranked above each token
+    p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return p / p.sum(-1, keepdim=True)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -1,7 +1,9 @@
 """Draft shapes — how much to draft per verification — and their one registry; no torch, so configs can check them.
 
     shape = DraftShape.parse("tree:8,8,60")     # depth 8, top-8 children per node, 60 draft tokens
-    shape = DraftShape.parse("chain:3")
+    shape = DraftShape.parse("chain:3")         # the drafter's argmax, 3 steps
+    shape = DraftShape.parse("ngram:3")         # prompt lookup: the 3 tokens after the latest match of the
+                                                # context's last 3, 2 or 1 tokens (longest first); ngram:K,N
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from hstap.errors import HstapError
 
 
 class DraftShape(BaseModel):
-    """How much to draft per verification. A chain of K is the tree (depth K, top-1, K nodes)."""
+    """How much to draft per verification. A chain of K is the tree (depth K, top-1, K nodes); an n-gram draft is
+    a chain that prompt lookup proposes (`match`: the longest context suffix it looks up; no drafter needed)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["chain", "tree"]
+    kind: Literal["chain", "tree", "ngram"]
     depth: int = Field(ge=1)
     topk: int = Field(default=1, ge=1)
     nodes: int = Field(ge=1)
+    match: int = Field(default=0, ge=0)
 
     @classmethod
     def parse(cls, spec: str) -> "DraftShape":
@@ -40,13 +44,21 @@ class DraftShape(BaseModel):
 
     @property
     def spec(self) -> str:
+        if self.kind == "ngram":
+            return f"ngram:{self.depth}" + (f",{self.match}" if self.match != NGRAM_MATCH else "")
         return f"chain:{self.depth}" if self.kind == "chain" else f"tree:{self.depth},{self.topk},{self.nodes}"
 
     @property
     def label(self) -> str:
         if self.kind == "chain":
             return f"chain {self.depth}"
+        if self.kind == "ngram":
+            return f"ngram {self.depth} (match ≤ {self.match})"
         return f"tree depth {self.depth}, top-{self.topk}, {self.nodes} nodes"
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.kind != "ngram"
 
 
 def _chain(steps: int) -> DraftShape:
@@ -60,8 +72,18 @@ def _tree(depth: int, topk: int, nodes: int) -> DraftShape:
     return DraftShape(kind="tree", depth=depth, topk=topk, nodes=nodes)
 
 
+NGRAM_MATCH = 3  # ngram:K looks up the context's last 3, 2, then 1 tokens
+
+
+def _ngram(steps: int, match: int = NGRAM_MATCH) -> DraftShape:
+    if match < 1:
+        raise ValueError("need a match length N ≥ 1")
+    return DraftShape(kind="ngram", depth=steps, topk=1, nodes=steps, match=match)
+
+
 # The one registry of draft shapes: kind → (usage, builder from the integers after the colon).
 SHAPES = {
     "chain": ("chain:K", _chain),
     "tree": ("tree:DEPTH,TOPK,NODES", _tree),
+    "ngram": ("ngram:K[,N]", _ngram),
 }

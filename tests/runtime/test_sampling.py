@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from hstap.evaluate.sampling import choose_child, residual, sample
+from hstap.runtime.sampling import choose_child, residual, sample
 
 P = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])  # target
 Q = torch.tensor([0.10, 0.05, 0.30, 0.25, 0.30])  # draft: over-proposes the tail

@@ -1,0 +1,208 @@
+"""The batched Engine: requests from any thread, decoded in batches on one worker thread over the runtime.
+
+    from hstap.runtime.engine import Engine, Request
+    engine = Engine(target, max_batch=16)                      # CUDA graphs on a GPU, the same code eagerly on a CPU
+    gens = engine.generate([Request(prompt=ids, max_new_tokens=128)])
+    gens[0].tokens, gens[0].finish_reason                      # generated ids (stop token excluded), "stop" | "length"
+    engine = Engine(target, drafter=d, draft="chain:3")        # speculative decoding; engine.spec_stats() for τ
+    engine.close()
+
+Synth (`hstap.synth.embedded.EmbeddedBackend`) and the `hf` server (`hstap.serve.hf_server`) both use it. Targets
+the lean forward does not run (not Llama-family) decode on transformers' DynamicCache (`EagerStepper`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from hstap.errors import HstapError
+from hstap.metrics import acceptance_length
+from hstap.models.target import stop_ids
+from hstap.runtime.decode import EagerStepper, Generation, Request, Stepper, decode
+from hstap.runtime.llama import unsupported
+
+
+@dataclass
+class _Job:
+    request: Request
+    future: Future
+
+
+class Engine:
+    """Batches requests from any thread onto one decode worker thread.
+
+    `submit` returns a Future; the worker takes up to `max_batch` waiting requests (oldest first) as one batch.
+    A batch is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
+    reproducible for the same batches. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
+    (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
+    bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`) every
+    batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.
+    """
+
+    def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, max_len: int | None = None,
+                 seed: int = 0, compile_step: bool = False, drafter=None, draft: str | None = None):
+        if max_batch < 1:
+            raise HstapError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.tokenizer, self.max_batch = target.model, target.tokenizer, max_batch
+        self.device = next(self.model.parameters()).device
+        self.pad_id = self.tokenizer.pad_token_id
+        self.stop_ids = stop_ids(self.model, self.tokenizer)
+        self.max_len = max_len or int(getattr(self.model.config, "max_position_embeddings", 8192))
+        self.stepper = self._make_stepper(cuda_graphs, compile_step)
+        self.spec = self._make_spec(drafter, draft)
+        self._spec_totals = {"verify_forwards": 0, "emitted": 0, "accepted": 0}
+        self.sync_every = 8 if self.device.type == "cuda" else 1
+        self._seed = seed
+        self._decoding = threading.Lock()  # the stepper's cache serves one batch at a time
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="hstap-engine", daemon=True)
+        self._worker.start()
+
+    def _make_stepper(self, cuda_graphs: bool | None, compile_step: bool) -> Stepper:
+        from hstap.runtime.target import Runtime
+
+        if unsupported(self.model) is not None:
+            return EagerStepper(self.model)
+        return Runtime(self.model, batch_size=self.max_batch, max_len=self.max_len, cuda_graphs=cuda_graphs,
+                       compile_step=compile_step)
+
+    def _make_spec(self, drafter, draft: str | None):
+        """The speculative decoder of `draft` (default chain:3 with a drafter), or None."""
+        from hstap.runtime.shapes import DraftShape
+        from hstap.runtime.spec import SpecDecoder
+
+        if drafter is None and draft is None:
+            return None
+        if not hasattr(self.stepper, "lean"):
+            raise HstapError(f"speculative decoding runs on Llama-family targets only: {unsupported(self.model)}")
+        return SpecDecoder(self.stepper, DraftShape.parse(draft or "chain:3"), drafter)
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding so far: verification forwards, tokens they produced (bonus included), draft
+        tokens accepted, and τ = tokens per verification forward (None before the first)."""
+        totals = dict(self._spec_totals)
+        forwards = totals["verify_forwards"]
+        totals["tau"] = acceptance_length(totals["emitted"], forwards) if forwards else None
+        totals["draft"] = self.spec.shape.spec if self.spec is not None else None
+        return totals
+
+    def submit(self, request: Request) -> Future:
+        """Queue one request; the Future resolves to its Generation (or raises what decoding raised)."""
+        self._check(request)
+        future: Future = Future()
+        self._jobs.put(_Job(request, future))
+        return future
+
+    def _check(self, request: Request) -> None:
+        if self._closed:
+            raise HstapError("engine is closed")
+        if not request.prompt:
+            raise HstapError("empty prompt: nothing to answer")
+        if len(request.prompt) + request.max_new_tokens > self.max_len:
+            raise HstapError(f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} "
+                             f"exceeds the model's {self.max_len} positions: lower max_new_tokens or the prompt")
+
+    def generate(self, requests: list[Request], timeout: float | None = None) -> list[Generation]:
+        """Submit all and wait: convenient for callers that already hold a list."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def generate_batch(self, requests: list[Request]) -> list[Generation]:
+        """Decode exactly `requests` as one batch, on the caller's thread, seeded by the first request's seed.
+
+        `generate` lets the worker batch whatever is waiting, so which rows share a batch (and so the sampled
+        tokens) depends on thread timing; here the batch is fixed, so sampled output is reproducible."""
+        if not 0 < len(requests) <= self.max_batch:
+            raise HstapError(f"generate_batch takes 1 to max_batch={self.max_batch} requests, got {len(requests)}")
+        for request in requests:
+            self._check(request)
+        return self._decode(requests)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the batch in progress, fail the waiting requests, stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=timeout)
+
+    def _take_batch(self) -> list[_Job] | None:
+        first = self._jobs.get()
+        if first is None:
+            return None
+        batch = [first]
+        while len(batch) < self.max_batch:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:  # close() was called: answer what we hold, then stop
+                self._jobs.put(None)
+                break
+            batch.append(job)
+        return batch
+
+    def _serve(self) -> None:
+        while (batch := self._take_batch()) is not None:
+            batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                gens = self._decode([j.request for j in batch])
+            except Exception as exc:  # a failed batch fails its requests, never the worker
+                for job in batch:
+                    job.future.set_exception(exc)
+                continue
+            for job, gen in zip(batch, gens):
+                job.future.set_result(gen)
+        while True:  # closed: whatever is still queued will never run
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(HstapError("engine closed before this request ran"))
+
+    def _decode(self, requests: list[Request]) -> list[Generation]:
+        with self._decoding:
+            return self._decode_unlocked(requests)
+
+    def _decode_unlocked(self, requests: list[Request]) -> list[Generation]:
+        longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+        if longest > self.max_len and len(requests) > 1:  # each fits alone (submit checked): split the batch
+            half = len(requests) // 2
+            return self._decode_unlocked(requests[:half]) + self._decode_unlocked(requests[half:])
+        seed = requests[0].seed
+        if seed is None:
+            seed, self._seed = self._seed, self._seed + 1
+        generator = None
+        if any(r.temperature > 0 for r in requests):
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        with torch.inference_mode():
+            if self.spec is not None:
+                return self._speculate(requests, generator)
+            return decode(self.stepper, requests, self.pad_id, self.stop_ids, self.device, generator, self.sync_every)
+
+    def _speculate(self, requests: list[Request], generator: torch.Generator | None) -> list[Generation]:
+        """One batch through the speculative decoder, cut per row at its own max_new_tokens and first stop."""
+        stops = set(self.stop_ids)
+        rows = self.spec.generate([r.prompt for r in requests], max(r.max_new_tokens for r in requests), stops,
+                                  self.pad_id, [r.temperature for r in requests], [r.top_p for r in requests],
+                                  generator)
+        gens = []
+        for req, row in zip(requests, rows):
+            tokens = row.tokens[: req.max_new_tokens]
+            end = next((k for k, tok in enumerate(tokens) if tok in stops), None)
+            gens.append(Generation(tokens=tokens if end is None else tokens[:end],
+                                   finish_reason="length" if end is None else "stop",
+                                   prompt_tokens=len(req.prompt), stop_token=None if end is None else tokens[end]))
+            self._spec_totals["verify_forwards"] += len(row.accepted)
+            self._spec_totals["emitted"] += sum(row.emitted)
+            self._spec_totals["accepted"] += sum(row.accepted)
+        return gens

@@ -1,0 +1,139 @@
+"""A lean forward of a Llama-family target (Llama, Mistral without sliding window, Qwen2, SmolLM2) over `KVCache`.
+
+transformers' forward launches ~50 small kernels per decoder layer (a norm is eight: upcast, square, mean, add,
+rsqrt, multiply, downcast, scale); a replayed CUDA graph still pays ~2 µs for each. This forward reads the same
+weights, fused once at load (q/k/v into one matrix, gate/up into one), and uses one `rms_norm`, one SDPA call
+over the cache (attention.py) and in-place cache writes: about 20 kernels per layer. The transformers model stays
+what it was: prefill (and with it the capture taps) still runs through it.
+
+    lean = LeanLlama(model)                      # HstapError when the architecture is not supported
+    logits, aux = lean.forward(ids, positions, kv, cols, mask, aux_layers=[1, 14, 26])
+
+Numerics: fp32 matches transformers to rounding (tests compare logits and greedy output); in bf16 the fused norm
+rounds once where transformers rounds twice, so bf16 logits differ from transformers' by a rounding step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hstap.errors import HstapError
+from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotate
+from hstap.runtime.kv import KVCache
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor  # (H,)
+    qkv: torch.Tensor  # ((nh + 2·nkv)·hd, H)
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # (H, nh·hd)
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # (2·I, H)
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # (H, I)
+    down_bias: torch.Tensor | None
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `LeanLlama` cannot run `model`, or None when it can."""
+    cfg = model.config
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
+        return f"{type(model).__name__} is not a decoder-only model with model.layers and lm_head"
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hasattr(attn, "q_norm"):
+        return f"{type(model).__name__}: attention is not Llama's (q/k/v/o projections, no q/k norms)"
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) or cfg.hidden_act != "silu":
+        return f"{type(model).__name__}: the MLP is not Llama's gated SiLU"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return f"{type(model).__name__}: sliding-window attention is not supported"
+    return None
+
+
+def _bias(*modules) -> torch.Tensor | None:
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules])
+
+
+class LeanLlama:
+    """The target's forward over a static cache, from fused copies of its weights (made once)."""
+
+    @torch.no_grad()
+    def __init__(self, model: torch.nn.Module):
+        reason = unsupported(model)
+        if reason is not None:
+            raise HstapError(f"the decoding runtime runs Llama-family targets only: {reason}")
+        cfg, inner = model.config, model.model
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        self.eps = inner.norm.variance_epsilon
+        self.scale = self.head_dim ** -0.5
+        self.embed = inner.embed_tokens.weight
+        self.inv_freq = inner.rotary_emb.inv_freq
+        self.rope_scale = float(inner.rotary_emb.attention_scaling)
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [self._fuse(layer) for layer in inner.layers]
+
+    @staticmethod
+    def _fuse(layer) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        return _Layer(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                      qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+                      qkv_bias=_bias(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj.weight, o_bias=a.o_proj.bias,
+                      gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
+                      gate_up_bias=_bias(m.gate_proj, m.up_proj), down=m.down_proj.weight,
+                      down_bias=m.down_proj.bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        return KVCache(self.num_layers, batch, self.kv_heads, length, self.head_dim, self.dtype, self.embed.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, cols: torch.Tensor,
+                mask: torch.Tensor, aux_layers: list[int] | tuple[int, ...] = (),
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions, cols (B, Q); mask (B, 1, Q, S) from `kv.block_mask` over the first S ≤ L columns
+        (S < L: attend to a prefix of the cache, what the eager path does to skip empty columns) → (logits
+        (B, Q, V) in the model dtype, the residual stream after each of `aux_layers` concatenated (B, Q, n·H),
+        or None)."""
+        h = F.embedding(ids, self.embed)  # (B, Q, H)
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, h.dtype)  # (B, Q, hd)
+        mask = group_mask(mask, self.heads // self.kv_heads)  # (B, 1, G·Q, L)
+        index = kv.write_index(cols)  # (B, H_kv, Q, hd)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, F.rms_norm(h, h.shape[-1:], layer.ln1, self.eps), cos, sin, kv,
+                                    index, mask)
+            x = F.rms_norm(h, h.shape[-1:], layer.ln2, self.eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # (B, Q, I) each
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            if i in aux_layers:
+                aux.append(h)
+        logits = F.linear(F.rms_norm(h, h.shape[-1:], self.norm, self.eps), self.lm_head)  # (B, Q, V)
+        order = sorted(set(aux_layers))
+        return logits, (torch.cat([aux[order.index(k)] for k in aux_layers], -1) if aux_layers else None)
+
+    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv: KVCache, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
+        qk = rotate(qkv[:, :, : nh + nkv], cos, sin)  # (B, Q, nh+nkv, hd)
+        kv.write(i, index, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
+        span = mask.shape[-1]
+        out = cache_attention(qk[:, :, :nh], kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask,
+                              self.scale)  # (B, Q, nh·hd)
+        return F.linear(out, layer.o, layer.o_bias)

@@ -1,0 +1,180 @@
+"""The target on static caches: a batched prefill, then one-token steps replayed from a CUDA graph.
+
+Prefill is transformers' ordinary forward over the left-padded prompts (what `generate` runs, so the first token
+is generate's, and the capture taps see an ordinary padded batch); its keys and values are then copied into a
+`KVCache`. Every later forward — a decode step, a verification block — is `LeanLlama.forward` over that cache,
+captured once per (slot, shape) on CUDA. Slots are caches of one length bucket (LRU, `max_slots`); a graph has
+one batch size, so a smaller batch steps with dummy rows that see nothing but themselves.
+
+    rt = Runtime(model, batch_size=8, max_len=4096)                # graphs on CUDA, eager on a CPU
+    logits = rt.prefill(ids, mask, max_new_tokens=256)             # (B, V) fp32, next token of every row
+    logits = rt.step(tokens)                                       # tokens (B,) → (B, V), a reused buffer
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from hstap.runtime.graphs import Graphed
+from hstap.runtime.kv import KVCache, block_columns, block_mask
+from hstap.runtime.llama import LeanLlama
+
+LEN_BUCKET = 256  # cache lengths are rounded up to this: one set of graphs serves every batch that fits
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, P] 0/1 mask -> [B, P] position ids counting real tokens only (padding gets 0, as `generate` does)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+class Slot:
+    """Everything the graphs of one cache length read and write; rows past `rows` are dummies."""
+
+    def __init__(self, lean: LeanLlama, batch: int, length: int):
+        device = lean.embed.device
+        self.length, self.batch, self.rows = length, batch, batch
+        self.kv: KVCache = lean.new_cache(batch, length)
+        self.start = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) first real column
+        self.write_at = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) next column to write
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) decode-step input
+        self.logits = torch.zeros(batch, lean.vocab_size, dtype=torch.float32, device=device)  # (B, V) output
+        self.graphs: dict[object, Graphed] = {}
+        self.buffers: dict[object, object] = {}  # per speculative method: its own static buffers
+        self.bound = 0  # host-side upper bound of every row's write_at
+        self.eager = True  # no graphs: forwards may attend to a prefix of the cache
+
+    def span(self, extra: int) -> int:
+        """Columns a forward writing up to `extra` entries past write_at must attend to: on the eager path only
+        the used prefix (a CPU skips the empty columns), with graphs the whole buffer (one shape)."""
+        return min(self.length, self.bound + extra) if self.eager else self.length
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B,) position of the next token of each row (real tokens before it)."""
+        return self.write_at - self.start
+
+
+class Runtime:
+    """Prefill + static-cache forwards of one target, for up to `batch_size` rows.
+
+    `cuda_graphs` (default: on CUDA) replays captured steps; `compile_step` also runs the forward through
+    torch.compile (faster kernels, a compile per shape). `rehearse` (tests, any device): do everything the graph
+    path does — capture warm-ups with their state restore, full-width attention — except capturing."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, cuda_graphs: bool | None = None,
+                 len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False,
+                 rehearse: bool = False):
+        self.model, self.batch_size, self.max_len = model, batch_size, max_len
+        self.lean = LeanLlama(model)
+        self.device = self.lean.embed.device
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
+        self.forward = torch.compile(self.lean.forward, dynamic=False) if compile_step else self.lean.forward
+        self.len_bucket, self.max_slots, self.rehearse = len_bucket, max_slots, rehearse
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.slots: OrderedDict[int, Slot] = OrderedDict()
+        self.slot: Slot | None = None
+        self.decoders: dict[str, int] = {}  # speculative decoders per draft shape (their graphs are per decoder)
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, reserve: int = 0,
+                aux_layers: list[int] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run left-padded prompts ids/mask [B, P]; → next-token logits (B, V) fp32, plus the prompts' residual
+        streams after `aux_layers` (B, P, n·H) when asked. `reserve`: extra columns past the answer (draft
+        blocks are written beyond the committed tokens)."""
+        from transformers import DynamicCache
+
+        rows, width = ids.shape
+        if rows > self.batch_size:
+            raise ValueError(f"batch of {rows} rows exceeds the runtime's batch_size {self.batch_size}")
+        if width + max_new_tokens > self.max_len:
+            raise ValueError(f"{width} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
+        need = width + max_new_tokens + reserve
+        slot = self.slot = self._get_slot(-(-need // self.len_bucket) * self.len_bucket)
+        slot.rows = rows
+        cache = DynamicCache(config=self.model.config)
+        with self._taps(aux_layers) as seen:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for layer, entry in enumerate(cache.layers):  # keys/values (B, H_kv, P, D)
+            slot.kv.load(layer, entry.keys, entry.values, rows, width)
+        slot.write_at.fill_(width)
+        slot.bound, slot.eager = width, not (self.cuda_graphs or self.rehearse)
+        slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
+        slot.start[:rows] = width - mask.sum(-1)
+        logits = out.logits[:, -1].float()  # (rows, V)
+        if not aux_layers:
+            return logits
+        return logits, torch.cat([seen[k] for k in aux_layers], dim=-1)  # (rows, P, n·H)
+
+    @contextmanager
+    def _taps(self, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+        """Forward hooks keeping the residual stream after decoder layer k (hstap layer k) during prefill."""
+        seen: dict[int, torch.Tensor] = {}
+        layers = self.model.model.layers
+
+        def keep(k: int):
+            def hook(module, args, output) -> None:
+                seen[k] = output[0] if isinstance(output, tuple) else output  # (B, P, H)
+            return hook
+
+        handles = [layers[k].register_forward_hook(keep(k)) for k in sorted(set(layer_ids))]
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _get_slot(self, length: int) -> Slot:
+        if length in self.slots:
+            self.slots.move_to_end(length)
+            return self.slots[length]
+        while len(self.slots) >= self.max_slots:
+            self.slots.popitem(last=False)
+        slot = self.slots[length] = Slot(self.lean, self.batch_size, length)
+        return slot
+
+    # ---- graphs -------------------------------------------------------------------------------------------
+
+    def graph(self, key: object, body: Callable[[], None], state: list[torch.Tensor]) -> Graphed:
+        """The current slot's graph `key` (captured at first use, with `state` saved and restored)."""
+        slot = self.slot
+        if key not in slot.graphs:
+            slot.graphs[key] = Graphed(body, self.cuda_graphs, self.pool, state, rehearse=self.rehearse)
+        return slot.graphs[key]
+
+    def block(self, slot: Slot, tokens: torch.Tensor, depths: torch.Tensor, tree: torch.Tensor,
+              aux_layers: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward of a (B, Q) block at each row's write position: depths (B, Q) or (Q,) add to the row's next
+        position, tree (B, Q, Q) or (Q, Q) says which block entries each query sees. Writes the block's keys
+        and values into the cache; → (logits (B, Q, V), aux (B, Q, n·H) | None). Capturable."""
+        q = tokens.shape[1]
+        cols = block_columns(slot.write_at, q, slot.length)  # (B, Q)
+        positions = slot.positions[:, None] + depths  # (B, Q)
+        mask = block_mask(slot.start, slot.write_at, slot.span(q), tree, self.lean.dtype)  # (B, 1, Q, S)
+        return self.forward(tokens, positions, slot.kv, cols, mask, aux_layers)
+
+    # ---- one-token decode ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows,) → next-token logits (rows, V) fp32: a view of a buffer the next step overwrites."""
+        slot = self.slot
+        assert slot is not None, "prefill must run before step"
+        slot.tokens[: slot.rows, 0].copy_(tokens)
+        self.graph("step", lambda: self._step_body(slot), [slot.write_at])()
+        slot.bound += 1
+        return slot.logits[: slot.rows]
+
+    def _step_body(self, slot: Slot) -> None:
+        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)  # the token sees itself
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits, _ = self.block(slot, slot.tokens, zero, one)
+        slot.logits.copy_(logits[:, -1])
+        slot.write_at.add_(1)

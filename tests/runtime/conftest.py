@@ -1,0 +1,68 @@
+"""Shared by the runtime tests: one intra-op thread, real MT-bench prompts, an untrained SmolLM2 drafter, and
+greedy references from transformers' own DynamicCache path (independent of the runtime)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hstap.data import load_mtbench, render_prompt
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
+
+MAX_NEW = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared 2-core machine: one intra-op thread runs far faster under load
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """Four MT-bench first turns of different lengths (left padding is exercised)."""
+    out = [render_prompt(q.messages[:1], tokenizer) for q in load_mtbench()[:4]]
+    assert len({len(p) for p in out}) == len(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def drafter(target, prompts) -> Eagle3Drafter:
+    """Untrained drafter; its 2048-token draft vocabulary holds the prompts' tokens."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(target.model.config, [1, 14, 26], 2048, target.model_id, target.fingerprint)
+    model = Eagle3Drafter(cfg)
+    counts = torch.zeros(target.model.config.vocab_size, dtype=torch.long)
+    for p in prompts:
+        counts += torch.bincount(torch.tensor(p), minlength=counts.numel())
+    model.init_from_target(target.model, *build_draft_vocab(counts, 2048))
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy_reference(model, prompt: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
+    """Plain greedy decoding on transformers' DynamicCache, one token per forward, the stop token included."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids, out = torch.tensor([prompt]), []
+    while len(out) < max_new and not (out and out[-1] in stop_ids):
+        out.append(int(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+        ids = torch.tensor([out[-1:]])
+    return out
+
+
+@pytest.fixture(scope="session")
+def references(target, prompts) -> list[list[int]]:
+    return [greedy_reference(target.model, p, MAX_NEW, set(target.stop_ids)) for p in prompts]
+
+
+def fake_slot(start: list[int], write_at: list[int], length: int = 64) -> SimpleNamespace:
+    """What the drafting functions read of a `Slot`, for drafter-only tests."""
+    start_t, write_t = torch.tensor(start), torch.tensor(write_at)
+    return SimpleNamespace(start=start_t, write_at=write_t, length=length, batch=len(start),
+                           positions=write_t - start_t)
