@@ -127,12 +127,25 @@ def teacher_in_draft_vocab(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
 
 @dataclass
 class TTTOutput:
+    """Per-step numbers stay on the device in `stats` (no host sync inside the unroll, so the host can queue the
+    backward and the next batch while the device works); the list properties read them back."""
+
     loss: torch.Tensor  # weighted sum over steps (scalar, with grad)
-    step_losses: list[float]
-    step_correct: list[int]  # top-1 agreements with the target's argmax per step
-    step_counted: list[int]  # positions counted per step
+    stats: torch.Tensor  # (3, steps) float64: loss, top-1 agreements with the target's argmax, positions counted
     run_lengths: torch.Tensor  # (B, S) consecutive correct steps from step 0 (teacher-forced chain)
     run_valid: torch.Tensor  # (B, S) how many consecutive steps from 0 were countable
+
+    @property
+    def step_losses(self) -> list[float]:
+        return self.stats[0].tolist()
+
+    @property
+    def step_correct(self) -> list[int]:
+        return [int(x) for x in self.stats[1].tolist()]
+
+    @property
+    def step_counted(self) -> list[int]:
+        return [int(x) for x in self.stats[2].tolist()]
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int = 7,
@@ -144,7 +157,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
     hidden = drafter.project(batch.aux)  # (B, S, H)
     total = torch.zeros((), device=hidden.device)
-    losses, correct, counted, hits, countable = [], [], [], [], []
+    stats, hits, countable = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
         hidden, logits = drafter.step(tokens, hidden, positions + k, attend)  # logits (B, S, Vd)
@@ -157,13 +170,11 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
         total = total + (decay ** k) * loss
         with torch.no_grad():
             hit = (logits.argmax(-1) == draft_ids[..., 0]) & weight
-        losses.append(float(loss.detach()))
-        correct.append(int(hit.sum()))
-        counted.append(int(count))
+            stats.append(torch.stack([loss.detach().double(), hit.sum().double(), count.double()]))  # (3,)
         hits.append(hit)
         countable.append(weight)
     run_len, run_ok = _chain_runs(hits, countable)
-    return TTTOutput(total, losses, correct, counted, run_len, run_ok)
+    return TTTOutput(total, torch.stack(stats, dim=1), run_len, run_ok)  # stats (3, steps)
 
 
 def _chain_runs(hits: list[torch.Tensor], countable: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +216,7 @@ class TTTModel(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay)
-        stats = torch.tensor([out.step_losses, out.step_correct, out.step_counted], dtype=torch.float64)
-        return out.loss, stats, out.run_lengths, out.run_valid
+        return out.loss, out.stats, out.run_lengths, out.run_valid
 
 
 def batch_tensors(batch: TTTBatch) -> tuple[torch.Tensor, ...]:
