@@ -135,6 +135,7 @@ class DeviceOnlineSource:
         key = tuple(indices)
         if key in self._pending:
             return
+        self._pending.clear()  # at most one batch ahead: one never asked for is dropped, not hoarded
         if self._stream is None:
             self._pending[key] = (self._prefill(indices), None)
             return

@@ -271,7 +271,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
             mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
                                         prefetch=cfg.prefetch and state.step + 1 < total_steps)
-            loss, step_losses, tokens = _accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead)
+            loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -339,7 +339,7 @@ def _step_batches(plan: list[list[int]], step_in_epoch: int, grad_accum: int, di
     return mine, [*mine[1:], upcoming]
 
 
-def _accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
+def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
                 layer_ids: list[int], device: torch.device, autocast, dist: distributed.Dist,
                 ahead: list[list[int] | None]) -> tuple[float, list[float], int]:
     """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP

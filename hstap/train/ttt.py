@@ -80,17 +80,20 @@ class TTTAttention:
         self.rep = num_heads // num_kv_heads
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.future: torch.Tensor | None = None  # (S, S) bool, True above the diagonal
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k.repeat_interleave(self.rep, dim=1))  # (B, nh, S, hd)
         self.values.append(v.repeat_interleave(self.rep, dim=1))
         s = q.shape[2]
-        scale = q.shape[-1] ** -0.5
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        prefix = (q @ self.keys[0].transpose(-1, -2)) * scale  # (B, nh, S, S)
-        prefix = prefix.masked_fill(~causal, float("-inf"))
-        diag = [(q * key).sum(-1, keepdim=True) * scale for key in self.keys[1:]]  # each (B, nh, S, 1)
-        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        if self.future is None or self.future.shape[0] != s:
+            self.future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # (S, S) keys after t
+        # The (B, nh, S, S) scores dominate this function's memory traffic (on a GPU, its time), so each pass over
+        # them counts: scale q instead of the scores, mask in place, upcast inside softmax.
+        q = q * q.shape[-1] ** -0.5  # (B, nh, S, hd)
+        prefix = (q @ self.keys[0].transpose(-1, -2)).masked_fill_(self.future, float("-inf"))  # (B, nh, S, S)
+        diag = [(q * key).sum(-1, keepdim=True) for key in self.keys[1:]]  # each (B, nh, S, 1)
+        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
         out = weights[..., :s] @ self.values[0]  # (B, nh, S, hd)
         for i, value in enumerate(self.values[1:]):
             out = out + weights[..., s + i: s + i + 1] * value
