@@ -10,8 +10,8 @@ on the aux layers copy each layer's output straight into its slice of the batch'
 the final normed hidden state of the real tokens goes through `lm_head` a chunk of positions at a time
 (log-softmax, top-k), so the full-vocabulary log-probs of the whole batch never exist at once; the top-k lands in
 the batch's teacher tensors. The result equals `collate(OnlineSource(...).fetch(indices))` up to rounding (tested
-on SmolLM2): the same padded forward, the same dtypes (teacher log-probs rounded to fp16, as a store holds them),
-zeros / -inf at padding. The batch plan is the caller's (`plan_batches`), so offline and online batches agree.
+on SmolLM2): the same right-padded batch (causal, without the padding mask it does not need), the same dtypes
+(teacher log-probs rounded to fp16, as a store holds them), zeros / -inf at padding. The batch plan is the caller's (`plan_batches`), so offline and online batches agree.
 """
 
 from __future__ import annotations
@@ -154,7 +154,10 @@ class DeviceOnlineSource:
         b, s = ids.shape
         aux = torch.empty(b, s, len(self.layer_ids) * self.target.hidden_size, dtype=self.dtype, device=self.device)
         with aux_into(model, self.layer_ids, aux) as seen:
-            out = text_decoder(model)(input_ids=ids, attention_mask=valid.long(), use_cache=False)
+            # No padding mask: with right padding a causal forward never lets a real token see a pad, so the real
+            # tokens' states are the masked forward's, and attention can take the fused causal kernel (flash on a
+            # GPU) instead of a masked one. Pad positions are zeroed below and never reach the teacher.
+            out = text_decoder(model)(input_ids=ids, attention_mask=None, use_cache=False)
         if seen != set(self.layer_ids):
             raise HstapError(f"online prefill: layers {sorted(set(self.layer_ids) - seen)} produced no output")
         aux.masked_fill_(~valid[..., None], 0)  # padding as collate leaves it

@@ -25,7 +25,12 @@ FIELDS = list(TTTBatch.__dataclass_fields__)
 
 @pytest.fixture(scope="module")
 def samples(tokenizer):
-    return render_all("sharegpt", tokenizer, SkipReport(), max_tokens=64, limit=6)
+    """The ShareGPT conversations among the first 60 that are shorter than 200 tokens: lengths 42 to 191, so
+    every batch below is padded."""
+    short = [s for s in render_all("sharegpt", tokenizer, SkipReport(), max_tokens=200, limit=60)
+             if len(s.input_ids) < 200]
+    assert len(short) >= 6 and len({len(s.input_ids) for s in short}) == len(short)
+    return short[:6]
 
 
 def assert_same_batch(old: TTTBatch, new: TTTBatch, dtype: str) -> None:
@@ -50,7 +55,7 @@ def test_device_batch_equals_the_capture_path(target, samples, dtype):
     vocab = target.model.config.vocab_size
     new = DeviceOnlineSource(target, samples, LAYERS, dtype=dtype, chunk_bytes=4 * vocab * 50)
     assert new.chunk == 50 and new.ids == old.ids and new.lengths == old.lengths
-    first, second = [4, 0, 2], [5, 1, 3]
+    first, second = [4, 0, 5], [3, 1]  # lengths 75, 122, 42 and 172, 105
     assert_same_batch(collate(old.fetch(first), LAYERS), new.batch(first), dtype)
     if dtype == "bf16":
         new.prefetch(second)
@@ -58,7 +63,7 @@ def test_device_batch_equals_the_capture_path(target, samples, dtype):
         assert not new._pending, "a prefetched batch is handed out once"
 
 
-COMMON = dict(online=True, data="sharegpt", limit=60, max_tokens=96, max_steps=3, batch_tokens=512,
+COMMON = dict(online=True, data="sharegpt", limit=40, max_tokens=128, max_steps=3, batch_tokens=512,
               draft_vocab=1024, ttt_steps=2, heldout=0.1, seed=0)
 
 
@@ -145,6 +150,6 @@ def test_calibration_prompts_are_the_rendered_first_turns(tokenizer, samples):
 
     got = calibration_prompts(Source(), [3, 1, 4, 0], n=3)
     assert [p.id for p in got] == [samples[i].id for i in (3, 1, 4)]
-    rendered = {p.id: p.ids for p in load_prompts("sharegpt", tokenizer, limit=20)}
+    rendered = {p.id: p.ids for p in load_prompts("sharegpt", tokenizer, limit=80)}
     for prompt in got:
         assert prompt.ids == rendered[prompt.id]
