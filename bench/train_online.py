@@ -59,7 +59,8 @@ def sync_for(device: torch.device):
 
 def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, drafter: Eagle3Drafter,
               ttt_steps: int, device: torch.device) -> dict:
-    """ms per full training step and per batch alone, over the batches after `warmup`, for one path."""
+    """ms per full training step and per batch alone, over batches[warmup:-1], for one path. The last batch is
+    only prefetched (by the last timed step, as in steady state), never trained on."""
     source = sources["capture" if path == "capture" else "device"]
     sync, dist = sync_for(device), distributed.Dist(0, 1, device)
     model = TTTModel(drafter, target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device), ttt_steps, 0.8)
@@ -68,26 +69,26 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
     prefetch = path == "device+prefetch"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = 0.0
-    for i, indices in enumerate(batches):
+    start, timed = 0.0, batches[warmup:-1]
+    for i, indices in enumerate(batches[:-1]):
         if i == warmup:
             sync()
             start = time.perf_counter()
-        ahead = batches[i + 1] if prefetch and i + 1 < len(batches) else None
+        ahead = batches[i + 1] if prefetch else None
         accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead])
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
     sync()
-    step_s = (time.perf_counter() - start) / (len(batches) - warmup)
+    step_s = (time.perf_counter() - start) / len(timed)
     fetch = []
-    for indices in batches[warmup:]:  # the batch alone: prefill + teacher + hand-off to the device
+    for indices in timed:  # the batch alone: prefill + teacher + hand-off to the device
         sync()
         t0 = time.perf_counter()
         load_batch(source, indices, LAYERS, device)
         sync()
         fetch.append(time.perf_counter() - t0)
-    tokens = statistics.mean(sum(source.lengths[j] for j in b) for b in batches[warmup:])
+    tokens = statistics.mean(sum(source.lengths[j] for j in b) for b in timed)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return {"path": path, "step_ms": 1000 * step_s, "batch_ms": 1000 * statistics.median(fetch),
             "tokens_per_s": tokens_per_second(tokens, step_s), "tokens": tokens, "peak_gib": peak}
@@ -134,12 +135,13 @@ def main() -> None:
     print(f"date {datetime.date.today()}, {name}, torch {torch.__version__}, SmolLM2 {target.model.dtype}, "
           f"{len(samples)} ShareGPT samples ≤ {args.max_tokens} tokens, layers {LAYERS}, TTT {args.ttt_steps}, "
           f"draft vocab {args.draft_vocab}, {args.steps} timed steps after {args.warmup}", flush=True)
-    print("| batch tokens | path | real tokens/batch | batch alone (ms) | step (ms) | tok/s | vs first path | peak GiB |")
+    print("| batch tokens | path | real tokens/batch | batch alone (ms) | step (ms) | tok/s | vs first path | "
+          "peak GiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for batch_tokens in (int(x) for x in args.batch_tokens.split(",")):
         plan = plan_batches(list(range(len(samples))), sources["device"].lengths, batch_tokens, seed=0, epoch=0)
-        batches = plan[:args.warmup + args.steps]
-        if len(batches) < args.warmup + args.steps:
+        batches = plan[:args.warmup + args.steps + 1]  # + the one the last timed step prefetches
+        if len(batches) < args.warmup + args.steps + 1:
             raise SystemExit(f"only {len(plan)} batches of {batch_tokens} tokens: raise --limit")
         base = None
         for path in args.paths.split(","):
@@ -153,7 +155,7 @@ def main() -> None:
     if args.profile:
         plan = plan_batches(list(range(len(samples))), sources["device"].lengths,
                             int(args.batch_tokens.split(",")[0]), seed=0, epoch=0)
-        profile_device_path(sources, plan[:3], drafter, args.ttt_steps, device, args.profile)
+        profile_device_path(sources, plan[:4], drafter, args.ttt_steps, device, args.profile)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ two say how far the estimate of a long run can be trusted. The prompts are the t
 conversations (the first user turn, up to the first answer token): MT-bench is for judging, never for tuning.
 
     prompts = calibration_prompts(source, held_idx, n=8)
-    calibrate(target, drafter, prompts, chain=3, max_new_tokens=64, tau_est=heldout["tau_est"], device=device)
+    calibrate(target, drafter, prompts, chain=3, max_new_tokens=64, tau_est=heldout["tau_est"])
     # {"chain": 3, "tau_measured": 1.9, "tau_est": 2.1, "gap": -0.2, "prompts": 8, "tokens": 512, ...}
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -22,7 +23,6 @@ import torch
 from hstap.evaluate.run import MethodResult, Prompt
 from hstap.evaluate.shapes import DraftShape
 from hstap.evaluate.spec import speculative_generate
-from hstap.train.ttt import autocast
 
 MAX_PROMPT_TOKENS = 1024  # longer held-out prompts are passed over: the measurement should cost seconds
 
@@ -43,20 +43,17 @@ def calibration_prompts(source, indices: list[int], n: int) -> list[Prompt]:
 
 
 @torch.no_grad()
-def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens: int, tau_est: dict,
-              device: torch.device) -> dict:
+def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens: int, tau_est: dict) -> dict:
     """Greedy chain speculative decoding of every prompt; → the measured τ next to the estimate for the same chain
     length (`tau_est` maps chain length → estimated τ, as `evaluate_heldout` returns it) and their gap."""
     if not prompts:
         return {}
     shape = DraftShape.parse(f"chain:{chain}")
-    was_training = drafter.training
-    drafter.eval()
     start = time.perf_counter()
-    with autocast(device):  # the precision the drafter trains in
-        generations = [speculative_generate(target.model, drafter, p.ids, shape, max_new_tokens,
-                                            set(target.stop_ids)) for p in prompts]
-    drafter.train(was_training)
+    # a copy in the target's dtype, as `hstap eval` loads a drafter (bf16 on a GPU): the τ a user will measure
+    serving = copy.deepcopy(drafter).to(dtype=target.model.dtype).eval()
+    generations = [speculative_generate(target.model, serving, p.ids, shape, max_new_tokens, set(target.stop_ids))
+                   for p in prompts]
     method = MethodResult(shape.spec, shape, generations)
     estimate = float(tau_est.get(chain, tau_est.get(str(chain), math.nan)))
     return {"chain": chain, "tau_measured": method.tau, "tau_est": estimate, "gap": method.tau - estimate,

@@ -11,7 +11,8 @@ the final normed hidden state of the real tokens goes through `lm_head` a chunk 
 (log-softmax, top-k), so the full-vocabulary log-probs of the whole batch never exist at once; the top-k lands in
 the batch's teacher tensors. The result equals `collate(OnlineSource(...).fetch(indices))` up to rounding (tested
 on SmolLM2): the same right-padded batch (causal, without the padding mask it does not need), the same dtypes
-(teacher log-probs rounded to fp16, as a store holds them), zeros / -inf at padding. The batch plan is the caller's (`plan_batches`), so offline and online batches agree.
+(teacher log-probs rounded to fp16, as a store holds them), zeros / -inf at padding. The batch plan is the
+caller's (`plan_batches`), so offline and online batches agree.
 """
 
 from __future__ import annotations

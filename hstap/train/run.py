@@ -240,7 +240,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         result = evaluate_heldout(drafter, source, held_idx, layer_ids, t2d_ids, cfg, device)
         if calibrated and prompts:
             result["calibration"] = calibrate(target, drafter, prompts, min(cfg.calib_chain, cfg.ttt_steps),
-                                              cfg.calib_tokens, result.get("tau_est", {}), device)
+                                              cfg.calib_tokens, result.get("tau_est", {}))
         return result
 
     def log_eval(result: dict) -> None:
