@@ -2,6 +2,8 @@
 
     python bench/capture_overhead.py --device cuda --shape 8b      # Llama-3.1-8B-shaped, random bf16 weights
     python bench/capture_overhead.py --device cpu --shape smollm2  # the real embedded target
+    torchrun --standalone --nproc_per_node 2 bench/capture_overhead.py --device cuda --model /tmp/llama8b
+                                        # tensor parallel (transformers' tp_plan), the tap on rank 0 only
 
 The tapped run captures 3 layers + a top-32 teacher (or `--teacher hidden`) through the same hooks `hstap capture`
 uses; the sink counts samples in memory, so storage speed is not part of the figure (the store's writer thread
@@ -11,7 +13,9 @@ is measured separately). Variants alternate (plain, tap, plain, tap, ...) and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -23,9 +27,14 @@ from hstap.capture.tap import Batch, Tap
 from hstap.config import TeacherSpec
 
 
-def build_model(shape: str, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(shape: str, device: str, model_dir: str | None = None):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if model_dir is not None:  # a checkpoint (bench/make_checkpoint.py); split over the ranks under torchrun
+        parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        kwargs = {"tp_plan": "auto"} if parallel else {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kwargs)
+        return (model if parallel else model.to(device)).eval()
     if shape == "smollm2":
         from hstap.models import load_target
 
@@ -46,9 +55,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--teacher", default="topk:32")
+    ap.add_argument("--model", default=None, help="a checkpoint dir instead of --shape (tensor parallel under torchrun)")
     args = ap.parse_args()
 
-    model = build_model(args.shape, args.device)
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(args.device)
+    model = build_model(args.shape, args.device, args.model)
     n_layers = model.config.num_hidden_layers
     layers = [1, n_layers // 2 - 1, n_layers - 4]
     teacher = TeacherSpec.parse(args.teacher)
@@ -57,8 +71,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     kept = [0]
 
+    gen = torch.Generator(device=args.device).manual_seed(0)  # every rank feeds the same ids
+
     def prefill(tap: Tap | None) -> float:
-        ids = torch.randint(0, model.config.vocab_size, (b, s), device=args.device)
+        ids = torch.randint(0, model.config.vocab_size, (b, s), device=args.device, generator=gen)
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -73,18 +89,23 @@ def main() -> None:
     tap = Tap({f"hidden.{k}" for k in layers} | {"teacher"}, sink=lambda sid, t: kept.__setitem__(0, kept[0] + 1),
               teacher=teacher, hidden_size=model.config.hidden_size)
     times: dict[str, list[float]] = {"plain": [], "tap": []}
-    with hf_taps(model, tap, layers, teacher.kind):
+    taps = hf_taps(model, tap, layers, teacher.kind) if rank == 0 else contextlib.nullcontext()
+    with taps:  # under tensor parallelism only rank 0 taps, as `hstap capture` does
         for r in range(args.reps + 2):
             for variant in ("plain", "tap"):
-                dt = prefill(tap if variant == "tap" else None)
+                dt = prefill(tap if variant == "tap" and rank == 0 else None)
                 if r >= 2:  # warm-up excluded
                     times[variant].append(dt)
                 tap.wait_capacity()
     report = tap.close()
+    if rank != 0:
+        return
     assert report.errors == 0 and kept[0] == (args.reps + 2) * b, report.summary()
     rate = {k: b * s / statistics.median(v) for k, v in times.items()}
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, shape {args.shape}, "
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    print(f"date {datetime.date.today()}, device {world} x {dev}, torch {torch.__version__}, "
+          f"{'model ' + args.model if args.model else 'shape ' + args.shape}, "
           f"batch {b}x{s}, layers {layers}, teacher {args.teacher}, median of {args.reps}")
     for k, v in rate.items():
         print(f"{k:>6}: {v:10.0f} tok/s")

@@ -42,13 +42,16 @@ class Preset:
     device: str
     online: bool = False  # train with the target in-process instead of capturing a store first
     train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
+    calib_prompts: int = 0  # held-out prompts decoded at every evaluation to measure τ (seconds each on a GPU)
+    calib_tokens: int = 64
 
 
 PRESETS = {
     # sized to finish in well under 15 minutes on 2 CPU cores (docs/benchmarks.md has the measured time)
     "cpu": Preset(prompts=96, prompt_chars=400, new_tokens=128, synth_batch=16, max_tokens=320, epochs=4,
                   ttt_steps=4, draft_vocab=4096, lr=3e-3, batch_tokens=2048, eval_questions=8,
-                  eval_new_tokens=64, shapes={"ngram": [3], "chain": [3]}, device="cpu"),
+                  eval_new_tokens=64, shapes={"ngram": [3], "chain": [3]}, device="cpu", calib_prompts=2,
+                  calib_tokens=32),
     # the whole path in about a minute, for the smoke test (tests/test_demo.py); proves wiring, not quality
     "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
                     ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
@@ -57,8 +60,8 @@ PRESETS = {
     # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch)
     "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=40,
                   ttt_steps=7, draft_vocab=16384, lr=2e-3, batch_tokens=16384, eval_questions=80,
-                  eval_new_tokens=256, shapes={"ngram": [3], "chain": [3], "tree": ["8,8,60"]}, device="cuda", online=True,
-                  train_budget_s=420),
+                  eval_new_tokens=256, shapes={"ngram": [3], "chain": [3], "tree": ["8,8,60"]}, device="cuda",
+                  online=True, train_budget_s=420, calib_prompts=4),
 }
 STAGES = ("synth", "capture", "train", "eval", "export")
 
@@ -156,7 +159,8 @@ def run(cfg: DemoConfig) -> int:
             dict(store=store)
         trained = run_train(TrainConfig(**source, out=drafter, epochs=p.epochs, ttt_steps=p.ttt_steps,
                                         draft_vocab=p.draft_vocab, lr=p.lr, batch_tokens=p.batch_tokens,
-                                        device=p.device, heldout=0.05, time_budget_s=p.train_budget_s))
+                                        device=p.device, heldout=0.05, time_budget_s=p.train_budget_s,
+                                        calib_prompts=p.calib_prompts, calib_tokens=p.calib_tokens))
         print(trained.summary())
         done("train")
 

@@ -30,15 +30,31 @@ class State:
 
 
 class MetricsLog:
-    """Append-only JSONL, one record per step or evaluation; rank 0 only."""
+    """Append-only JSONL, one record per step or evaluation, mirrored as TensorBoard scalars when `tensorboard`
+    names a directory (hstap.train.tblog); rank 0 only."""
 
-    def __init__(self, path: Path, enabled: bool = True):
+    def __init__(self, path: Path, enabled: bool = True, tensorboard: Path | None = None,
+                 purge_step: int | None = None):
+        from hstap.train.tblog import TensorBoardLog
+
         self.path, self.enabled = Path(path), enabled
+        self.tb = TensorBoardLog(tensorboard, purge_step) if enabled and tensorboard is not None else None
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                self.tb.write(record)
+
+    def flush(self) -> None:
+        """Make everything written so far visible to a TensorBoard watching the run (at every evaluation)."""
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
 
 def save(out: Path, drafter, optimizer, scheduler, state: State, dist) -> None:

@@ -15,7 +15,8 @@ from hstap.capture.config import LAYERS_HELP, layers_text
 from hstap.config import option, parse_duration
 
 # (GPU, CPU) values of the sizes left unset
-DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512)}
+DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512),
+                   "calib_prompts": (8, 2)}
 
 
 class TrainConfig(BaseModel):
@@ -52,6 +53,13 @@ class TrainConfig(BaseModel):
     time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
                                          flag="--time-budget", metavar="DURATION", gt=0)
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
+    prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
+                                   "trains on this one")
+    calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "
+                                             "measure τ against the estimate (0 = off; default 8 on a GPU, 2 on "
+                                             "a CPU)", ge=0)
+    calib_tokens: int = option(64, "new tokens per calibration prompt (greedy)", ge=2)
+    calib_chain: int = option(3, "chain length the calibration drafts (capped at --ttt-steps)", ge=1)
 
     _layers_text = field_validator("layers", mode="before")(layers_text)
     _duration = field_validator("time_budget_s", mode="before")(parse_duration)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
+from hstap.train.ttt import TTTBatch, collate
 
 
 class SampleSource(Protocol):
@@ -26,12 +27,36 @@ class SampleSource(Protocol):
     def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class BatchSource(Protocol):
+    """A source that builds whole TTTBatches on the training device itself (hstap.train.online): no host samples."""
+
+    ids: list[str]
+    lengths: list[int]
+
+    def batch(self, indices: list[int]) -> TTTBatch: ...
+
+    def prefetch(self, indices: list[int]) -> None: ...
+
+    def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def load_batch(source: SampleSource | BatchSource, indices: list[int], layer_ids: list[int],
+               device: torch.device) -> TTTBatch:
+    """The batch of `indices` on `device`: a BatchSource makes it there; host samples are collated, then copied."""
+    if isinstance(source, BatchSource):
+        return source.batch(indices)
+    return collate(source.fetch(indices), layer_ids).to(device)
+
+
 def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int = 32) -> dict[str, torch.Tensor]:
-    """A store captured with `--teacher hidden` keeps the final normed state; the trainer wants top-k log-probs."""
+    """A store captured with `--teacher hidden` keeps the final normed state; the trainer wants top-k log-probs.
+    Computed where `lm_head` lives (the training device when the target sits there), returned where `hidden` was."""
+    weight = lm_head.weight
     with torch.no_grad():
-        logprobs = torch.log_softmax(lm_head(hidden.to(lm_head.weight.dtype)).float(), dim=-1)
+        logprobs = torch.log_softmax(lm_head(hidden.to(weight.device, weight.dtype)).float(), dim=-1)
         values, ids = logprobs.topk(k, dim=-1)
-    return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values.to(torch.float16)}
+    return {"topk_ids": ids.to(hidden.device, torch.int32), "topk_logprobs": values.to(hidden.device, torch.float16)}
 
 
 class StoreSource:
@@ -58,7 +83,9 @@ class StoreSource:
 
 
 class OnlineSource:
-    """Online: each fetch prefills the requested samples through the target with the tap on; nothing touches disk.
+    """Online through the capture path: each fetch prefills the requested samples with the tap on (pinned host
+    copies, per-sample dicts); nothing touches disk. Training uses `hstap.train.online.DeviceOnlineSource`, which
+    keeps everything on the device; this one is the reference it is tested against (and the benchmark's old path).
 
     The tap, dtype and teacher are the ones `hstap capture` uses, so a sample fetched here equals the stored one up
     to the batch it was prefilled in (padding changes fp32 summation order, then bf16 rounding)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hstap.train.data import SampleSource, plan_batches
-from hstap.train.ttt import autocast, collate, estimated_tau, ttt_forward
+from hstap.train.data import BatchSource, SampleSource, load_batch, plan_batches
+from hstap.train.ttt import autocast, estimated_tau, ttt_forward
 
 
 @torch.no_grad()
-def evaluate_heldout(drafter, source: SampleSource, indices: list[int], layer_ids: list[int],
+def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[int], layer_ids: list[int],
                      t2d_ids: torch.Tensor, cfg, device: torch.device) -> dict:
     """Teacher-forced TTT unroll over the held-out split (no grad).
 
@@ -24,14 +24,15 @@ def evaluate_heldout(drafter, source: SampleSource, indices: list[int], layer_id
     correct, counted = [0] * steps, [0] * steps
     runs, oks = [], []
     for batch_idx in plan_batches(indices, source.lengths, cfg.batch_tokens, seed=0, epoch=0):
-        batch = collate(source.fetch(batch_idx), layer_ids).to(device)
+        batch = load_batch(source, batch_idx, layer_ids, device)
         with autocast(device):
             out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay)
         weights = [cfg.decay ** k for k in range(steps)]
-        loss_sum += sum(w * l * n for w, l, n in zip(weights, out.step_losses, out.step_counted))
-        weight_sum += sum(w * n for w, n in zip(weights, out.step_counted))
-        correct = [a + b for a, b in zip(correct, out.step_correct)]
-        counted = [a + b for a, b in zip(counted, out.step_counted)]
+        losses, hits, positions = out.stats.tolist()  # one read-back per batch
+        loss_sum += sum(w * l * n for w, l, n in zip(weights, losses, positions))
+        weight_sum += sum(w * n for w, n in zip(weights, positions))
+        correct = [a + int(b) for a, b in zip(correct, hits)]
+        counted = [a + int(b) for a, b in zip(counted, positions)]
         runs.append(out.run_lengths.flatten().cpu())
         oks.append(out.run_valid.flatten().cpu())
     drafter.train(was_training)

@@ -4,8 +4,11 @@
     hstap train --online --model smollm2 --data sharegpt --limit 400 --out runs/drafter
     torchrun --nproc_per_node 2 -m hstap.cli train --store runs/cap --out runs/drafter   # DDP
 
-The run directory holds config.json + model.safetensors (the drafter), train_config.json, metrics.jsonl,
-plots, and checkpoint/ (optimizer, scheduler, RNG, data position) for `--resume`.
+The run directory holds config.json + model.safetensors (the drafter), train_config.json, metrics.jsonl (also
+as TensorBoard scalars under tb/), plots, and checkpoint/ (optimizer, scheduler, RNG, data position) for
+`--resume`. Online, the target's prefill writes each batch on the training device (hstap.train.online). Every
+evaluation measures τ by real speculative decoding on a few held-out prompts next to the estimate
+(hstap.train.calibrate).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from hstap.errors import HstapError
 from hstap.metrics import tokens_per_second
 from hstap.train import checkpoint, distributed
 from hstap.train.config import TrainConfig
-from hstap.train.data import OnlineSource, SampleSource, StoreSource, plan_batches, split_heldout
+from hstap.train.calibrate import calibrate, calibration_prompts
+from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
 from hstap.train.heldout import evaluate_heldout
-from hstap.train.ttt import TTTModel, batch_tensors, collate
+from hstap.train.online import DeviceOnlineSource
+from hstap.train.ttt import TTTModel, batch_tensors
 from hstap.train.ttt import autocast as ttt_autocast
 
 
@@ -44,14 +49,20 @@ class TrainResult:
     def summary(self) -> str:
         h, h0 = self.heldout, self.initial_heldout
         tau = ", ".join(f"{d}:{v:.2f}" for d, v in h.get("tau_est", {}).items())
-        return (f"trained {self.steps} steps on {self.train_tokens} tokens "
-                f"({tokens_per_second(self.train_tokens, self.seconds):.0f} tok/s) → {self.out}\n"
-                f"held-out loss {h0.get('loss', float('nan')):.3f} → {h.get('loss', float('nan')):.3f}; "
-                f"step-0 top-1 {h0.get('acc', [0])[0]:.3f} → {h.get('acc', [0])[0]:.3f}; "
-                f"estimated τ by chain length {{{tau}}}")
+        lines = [f"trained {self.steps} steps on {self.train_tokens} tokens "
+                 f"({tokens_per_second(self.train_tokens, self.seconds):.0f} tok/s) → {self.out}",
+                 f"held-out loss {h0.get('loss', float('nan')):.3f} → {h.get('loss', float('nan')):.3f}; "
+                 f"step-0 top-1 {h0.get('acc', [0])[0]:.3f} → {h.get('acc', [0])[0]:.3f}; "
+                 f"estimated τ by chain length {{{tau}}}"]
+        c = h.get("calibration")
+        if c:
+            lines.append(f"measured τ (chain {c['chain']}, {c['prompts']} held-out prompts, {c['tokens']} tokens) "
+                         f"{c['tau_measured']:.2f} vs estimated {c['tau_est']:.2f}: gap {c['gap']:+.2f}")
+        return "\n".join(lines)
 
 
-def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], TeacherSpec]:
+def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[SampleSource | BatchSource, list[int],
+                                                                         TeacherSpec]:
     """The sample source, its canonical layer ids and the teacher spec, checked against the target."""
     from hstap.capture.layers import parse_layers
 
@@ -64,7 +75,8 @@ def _open_source(cfg: TrainConfig, target) -> tuple[SampleSource, list[int], Tea
         if not samples:
             raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
         teacher = TeacherSpec()
-        return OnlineSource(target, samples, layer_ids, teacher=teacher, device=cfg.device), layer_ids, teacher
+        source = DeviceOnlineSource(target, samples, layer_ids, teacher=teacher, device=str(device))
+        return source, layer_ids, teacher
     from hstap.store import open_store
 
     store = open_store(cfg.store)
@@ -138,8 +150,8 @@ class WarmupCosine:
 PROBE_SKIP, PROBE_STEPS = 3, 10  # steps ignored (allocator, kernels warming up), then steps timed
 
 
-def seconds_per_step(model: torch.nn.Module, source: SampleSource, batches: list[list[int]], layer_ids: list[int],
-                     device: torch.device, autocast) -> float:
+def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
+                     layer_ids: list[int], device: torch.device, autocast) -> float:
     """Wall time of one training step (fetch, forward, backward) on the first batches of the plan, measured before
     training so the schedule is fitted before step 1. No optimizer step: weights and optimizer state stay as
     they are, and the measured batches are trained on again in order."""
@@ -149,7 +161,7 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource, batches: list
         if n == PROBE_SKIP:
             sync()
             timed_from = time.perf_counter()
-        batch = collate(source.fetch(indices), layer_ids).to(device)
+        batch = load_batch(source, indices, layer_ids, device)
         with autocast:
             loss = model(*batch_tensors(batch))[0]
         loss.backward()
@@ -179,8 +191,10 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise HstapError("pass either --store DIR (offline) or --online, not both")
     if not cfg.online and cfg.store is None:
         raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
-    target = load_target(cfg.model, device="cpu" if not cfg.online else cfg.device)
-    source, layer_ids, teacher = _open_source(cfg, target)
+    # the target sits on the device when it prefills (online) or decodes the calibration prompts (rank 0)
+    on_device = cfg.online or (cfg.calib_prompts > 0 and cfg.heldout > 0 and dist.rank == 0)
+    target = load_target(cfg.model, device=str(device) if on_device else "cpu")
+    source, layer_ids, teacher = _open_source(cfg, target, device)
     if teacher.kind == "topk" and teacher.k < 1:
         raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
     if cfg.resume:
@@ -217,14 +231,25 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         (out / "train_config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
         drafter.config.save(out / "config.json")
         (out / "metrics.jsonl").write_text("")
-    log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0)
+    log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0, tensorboard=out / "tb",
+                                purge_step=state.step if cfg.resume else None)
+    prompts = calibration_prompts(source, held_idx, cfg.calib_prompts) if dist.rank == 0 else []
 
-    def heldout_eval() -> dict:
-        return evaluate_heldout(drafter, source, held_idx, layer_ids, t2d_ids, cfg, device)
+    def heldout_eval(calibrated: bool = True) -> dict:
+        """Held-out metrics, and τ measured on `prompts` next to the estimate (rank 0 only)."""
+        result = evaluate_heldout(drafter, source, held_idx, layer_ids, t2d_ids, cfg, device)
+        if calibrated and prompts:
+            result["calibration"] = calibrate(target, drafter, prompts, min(cfg.calib_chain, cfg.ttt_steps),
+                                              cfg.calib_tokens, result.get("tau_est", {}))
+        return result
 
-    initial = state.initial_heldout or (heldout_eval() if dist.rank == 0 else {})
+    def log_eval(result: dict) -> None:
+        log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **result})
+        log.flush()  # a TensorBoard watching the run sees every evaluation as it lands
+
+    initial = state.initial_heldout or (heldout_eval(calibrated=False) if dist.rank == 0 else {})
     if not state.initial_heldout and dist.rank == 0:
-        log.write({"kind": "eval", "epoch": 0, "step": 0, **initial})
+        log_eval(initial)
     state.initial_heldout = initial
 
     autocast = ttt_autocast(device)
@@ -244,9 +269,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
-            first = state.step_in_epoch * batches_per_step  # this step's batches: plan[first + a * world + rank]
-            mine = [plan[first + a * dist.world_size + dist.rank] for a in range(cfg.grad_accum)]
-            loss, step_losses, tokens = _accumulate(model, source, mine, layer_ids, device, autocast, dist)
+            mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
+                                        prefetch=cfg.prefetch and state.step + 1 < total_steps)
+            loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -270,11 +295,12 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             state.step_in_epoch = 0
             if dist.rank == 0:
                 last_eval = heldout_eval()
-                log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **last_eval})
+                log_eval(last_eval)
     bar.close()
     if dist.rank == 0 and last_eval is initial:
         last_eval = heldout_eval()
-        log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **last_eval})
+        log_eval(last_eval)
+    log.close()
     checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
     if dist.rank == 0:
         drafter.save_pretrained(out)
@@ -299,23 +325,42 @@ def _say_how_long(cfg: TrainConfig, seconds: float, steps: int, steps_left: int)
     tqdm.write(line)
 
 
-def _accumulate(model: torch.nn.Module, source: SampleSource, batches: list[list[int]], layer_ids: list[int],
-                device: torch.device, autocast, dist: distributed.Dist) -> tuple[float, list[float], int]:
+def _step_batches(plan: list[list[int]], step_in_epoch: int, grad_accum: int, dist: distributed.Dist,
+                  prefetch: bool) -> tuple[list[list[int]], list[list[int] | None]]:
+    """This rank's batches of one optimizer step — plan[first + a * world + rank] for a < grad_accum — and, with
+    `prefetch`, the batch to prefill behind each of them (the next one of this rank, never past this epoch)."""
+    per_step = dist.world_size * grad_accum
+    first = step_in_epoch * per_step
+    mine = [plan[first + a * dist.world_size + dist.rank] for a in range(grad_accum)]
+    if not prefetch:
+        return mine, [None] * grad_accum
+    following = first + per_step + dist.rank
+    upcoming = plan[following] if first + 2 * per_step <= len(plan) else None
+    return mine, [*mine[1:], upcoming]
+
+
+def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
+                layer_ids: list[int], device: torch.device, autocast, dist: distributed.Dist,
+                ahead: list[list[int] | None]) -> tuple[float, list[float], int]:
     """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP
     syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
+    `ahead[i]`: a batch a BatchSource prefetches once batch i is in hand, so its prefill overlaps batch i's step.
     Returns (loss averaged over all ranks' batches, this rank's per-TTT-step losses, tokens over all ranks)."""
     losses, step_losses, tokens = [], [], 0
     for i, indices in enumerate(batches):
-        batch = collate(source.fetch(indices), layer_ids).to(device)
+        batch = load_batch(source, indices, layer_ids, device)
+        if ahead[i] is not None and isinstance(source, BatchSource):
+            source.prefetch(ahead[i])
         with dist.no_sync(model, last=i == len(batches) - 1):
             with autocast:
                 loss, stats, _, _ = model(*batch_tensors(batch))
             (loss / len(batches)).backward()
-        losses.append(float(loss.detach()))
+        losses.append(loss.detach())
         step_losses.append(stats[0])
-        tokens += batch.num_tokens
+        tokens += sum(source.lengths[j] for j in indices)  # = batch.num_tokens, without a device sync
+    mean_loss = sum(torch.stack(losses).tolist()) / len(losses)  # the one read-back of the step
     mean_steps = torch.stack(step_losses).mean(0).tolist()
-    return dist.mean(sum(losses) / len(losses)), mean_steps, int(dist.sum(tokens))
+    return dist.mean(mean_loss), mean_steps, int(dist.sum(tokens))
 
 
 def load_metrics(path: Path) -> list[dict]:

@@ -80,17 +80,20 @@ class TTTAttention:
         self.rep = num_heads // num_kv_heads
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.future: torch.Tensor | None = None  # (S, S) bool, True above the diagonal
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k.repeat_interleave(self.rep, dim=1))  # (B, nh, S, hd)
         self.values.append(v.repeat_interleave(self.rep, dim=1))
         s = q.shape[2]
-        scale = q.shape[-1] ** -0.5
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        prefix = (q @ self.keys[0].transpose(-1, -2)) * scale  # (B, nh, S, S)
-        prefix = prefix.masked_fill(~causal, float("-inf"))
-        diag = [(q * key).sum(-1, keepdim=True) * scale for key in self.keys[1:]]  # each (B, nh, S, 1)
-        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        if self.future is None or self.future.shape[0] != s:
+            self.future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # (S, S) keys after t
+        # The (B, nh, S, S) scores dominate this function's memory traffic (on a GPU, its time), so each pass over
+        # them counts: scale q instead of the scores, mask in place, upcast inside softmax.
+        q = q * q.shape[-1] ** -0.5  # (B, nh, S, hd)
+        prefix = (q @ self.keys[0].transpose(-1, -2)).masked_fill_(self.future, float("-inf"))  # (B, nh, S, S)
+        diag = [(q * key).sum(-1, keepdim=True) for key in self.keys[1:]]  # each (B, nh, S, 1)
+        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
         out = weights[..., :s] @ self.values[0]  # (B, nh, S, hd)
         for i, value in enumerate(self.values[1:]):
             out = out + weights[..., s + i: s + i + 1] * value
@@ -127,12 +130,25 @@ def teacher_in_draft_vocab(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
 
 @dataclass
 class TTTOutput:
+    """Per-step numbers stay on the device in `stats` (no host sync inside the unroll, so the host can queue the
+    backward and the next batch while the device works); the list properties read them back."""
+
     loss: torch.Tensor  # weighted sum over steps (scalar, with grad)
-    step_losses: list[float]
-    step_correct: list[int]  # top-1 agreements with the target's argmax per step
-    step_counted: list[int]  # positions counted per step
+    stats: torch.Tensor  # (3, steps) float64: loss, top-1 agreements with the target's argmax, positions counted
     run_lengths: torch.Tensor  # (B, S) consecutive correct steps from step 0 (teacher-forced chain)
     run_valid: torch.Tensor  # (B, S) how many consecutive steps from 0 were countable
+
+    @property
+    def step_losses(self) -> list[float]:
+        return self.stats[0].tolist()
+
+    @property
+    def step_correct(self) -> list[int]:
+        return [int(x) for x in self.stats[1].tolist()]
+
+    @property
+    def step_counted(self) -> list[int]:
+        return [int(x) for x in self.stats[2].tolist()]
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int = 7,
@@ -144,7 +160,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
     hidden = drafter.project(batch.aux)  # (B, S, H)
     total = torch.zeros((), device=hidden.device)
-    losses, correct, counted, hits, countable = [], [], [], [], []
+    stats, hits, countable = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
         hidden, logits = drafter.step(tokens, hidden, positions + k, attend)  # logits (B, S, Vd)
@@ -157,13 +173,11 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
         total = total + (decay ** k) * loss
         with torch.no_grad():
             hit = (logits.argmax(-1) == draft_ids[..., 0]) & weight
-        losses.append(float(loss.detach()))
-        correct.append(int(hit.sum()))
-        counted.append(int(count))
+            stats.append(torch.stack([loss.detach().double(), hit.sum().double(), count.double()]))  # (3,)
         hits.append(hit)
         countable.append(weight)
     run_len, run_ok = _chain_runs(hits, countable)
-    return TTTOutput(total, losses, correct, counted, run_len, run_ok)
+    return TTTOutput(total, torch.stack(stats, dim=1), run_len, run_ok)  # stats (3, steps)
 
 
 def _chain_runs(hits: list[torch.Tensor], countable: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +219,7 @@ class TTTModel(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay)
-        stats = torch.tensor([out.step_losses, out.step_correct, out.step_counted], dtype=torch.float64)
-        return out.loss, stats, out.run_lengths, out.run_valid
+        return out.loss, out.stats, out.run_lengths, out.run_valid
 
 
 def batch_tensors(batch: TTTBatch) -> tuple[torch.Tensor, ...]:

@@ -27,7 +27,7 @@ if stop_after:
 
     run_module.checkpoint.save = save_then_stop
 cfg = TrainConfig(store=store, out=out, max_steps=max_steps, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
-                  heldout=0.05, checkpoint_every=stop_after or 200)
+                  heldout=0.05, checkpoint_every=stop_after or 200, calib_prompts=0)
 result = run_train(cfg, progress=False)
 rank = torch.distributed.get_rank()
 torch.save({k: v.clone() for k, v in result.drafter.trainable_state_dict().items()}, dump / f"rank{rank}.pt")

@@ -43,7 +43,8 @@ def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(t
     """Same global batch (2 ranks × 1 batch vs 1 process × 2 batches): the same losses and weights up to summation
     order. A 2-rank run preempted after step 2 is finished by one process, as if nothing had happened."""
     _torchrun(str(train_store), str(tmp_path / "ddp"), str(tmp_path), "4", "2")
-    common = dict(store=train_store, max_steps=4, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05)
+    common = dict(store=train_store, max_steps=4, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05,
+                  calib_prompts=0)
     single = run_train(TrainConfig(out=tmp_path / "single", grad_accum=2, **common), progress=False)
     with pytest.raises(HstapError, match="batches per step"):
         run_train(TrainConfig(out=tmp_path / "ddp", resume=True, **common), progress=False)

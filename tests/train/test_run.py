@@ -14,7 +14,7 @@ from hstap.errors import HstapError
 from hstap.train.config import TrainConfig
 from hstap.train.run import load_metrics, run_train
 
-FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.1, seed=0)
+FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.1, seed=0, calib_prompts=0)
 
 
 def _weights(drafter) -> dict[str, torch.Tensor]:
@@ -67,18 +67,18 @@ def test_resume_continues_exactly(train_store, tmp_path, monkeypatch):
                            resume=resume, **FAST)
 
     straight = run_train(cfg(tmp_path / "a"), progress=False)
-    real_collate, calls = run_module.collate, {"n": 0}
+    real_load, calls = run_module.load_batch, {"n": 0}
 
     def crash_on_third(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated crash before step 3")
-        return real_collate(*args, **kw)
+        return real_load(*args, **kw)
 
-    monkeypatch.setattr(run_module, "collate", crash_on_third)
+    monkeypatch.setattr(run_module, "load_batch", crash_on_third)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_train(cfg(tmp_path / "b"), progress=False)
-    monkeypatch.setattr(run_module, "collate", real_collate)
+    monkeypatch.setattr(run_module, "load_batch", real_load)
     resumed = run_train(cfg(tmp_path / "b", resume=True), progress=False)
 
     losses = lambda out: [r["loss"] for r in load_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
@@ -147,13 +147,13 @@ def test_time_budget_rescales_the_schedule_and_resumes_with_it(train_store, tmp_
     from hstap.train.run import PROBE_SKIP, PROBE_STEPS
 
     clock = {"t": 0.0}
-    real_collate = run_module.collate
+    real_load = run_module.load_batch
 
-    def collate_tick(*args, **kw):
+    def load_tick(*args, **kw):
         clock["t"] += 1.0
-        return real_collate(*args, **kw)
+        return real_load(*args, **kw)
 
-    monkeypatch.setattr(run_module, "collate", collate_tick)
+    monkeypatch.setattr(run_module, "load_batch", load_tick)
     monkeypatch.setattr(run_module.time, "perf_counter", lambda: clock["t"])
     budget = PROBE_SKIP + PROBE_STEPS + 40  # the probe's batches, then 40 one-second steps
     cfg = TrainConfig(store=train_store, out=tmp_path / "run", epochs=50, batch_tokens=512, time_budget_s=budget,

@@ -1,0 +1,61 @@
+"""Calibrate the held-out τ estimate against a measured τ, at every evaluation of a training run.
+
+The estimate (`hstap.train.ttt.estimated_tau`) comes from teacher-forced agreement on held-out answers; it is
+exact only when those answers are the target's own greedy output. The measurement decodes a few held-out prompts
+greedily with real chain speculative decoding (`hstap.evaluate.spec.speculative_generate`, the code `hstap eval`
+runs) with the current drafter against the target, on the training device. Logged side by side with their gap, the
+two say how far the estimate of a long run can be trusted. The prompts are the training source's held-out
+conversations (the first user turn, up to the first answer token): MT-bench is for judging, never for tuning.
+
+    prompts = calibration_prompts(source, held_idx, n=8)
+    calibrate(target, drafter, prompts, chain=3, max_new_tokens=64, tau_est=heldout["tau_est"])
+    # {"chain": 3, "tau_measured": 1.9, "tau_est": 2.1, "gap": -0.2, "prompts": 8, "tokens": 512, ...}
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+
+from hstap.evaluate.run import MethodResult, Prompt
+from hstap.evaluate.shapes import DraftShape
+from hstap.evaluate.spec import speculative_generate
+
+MAX_PROMPT_TOKENS = 1024  # longer held-out prompts are passed over: the measurement should cost seconds
+
+
+def calibration_prompts(source, indices: list[int], n: int) -> list[Prompt]:
+    """The first `n` samples of `indices` (held-out) that have an answer and a prompt of at most
+    MAX_PROMPT_TOKENS tokens, cut just before their first answer token (the assistant header included, as
+    `render_prompt` writes it)."""
+    prompts: list[Prompt] = []
+    for i in indices:
+        if len(prompts) == n:
+            break
+        ids, loss_mask = source.token_masks(i)
+        answer = loss_mask.nonzero()  # (A, 1) positions of answer tokens
+        if answer.numel() and 0 < int(answer[0]) <= MAX_PROMPT_TOKENS:
+            prompts.append(Prompt(source.ids[i], ids[:int(answer[0])].tolist()))
+    return prompts
+
+
+@torch.no_grad()
+def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens: int, tau_est: dict) -> dict:
+    """Greedy chain speculative decoding of every prompt; → the measured τ next to the estimate for the same chain
+    length (`tau_est` maps chain length → estimated τ, as `evaluate_heldout` returns it) and their gap."""
+    if not prompts:
+        return {}
+    shape = DraftShape.parse(f"chain:{chain}")
+    start = time.perf_counter()
+    # a copy in the target's dtype, as `hstap eval` loads a drafter (bf16 on a GPU): the τ a user will measure
+    serving = copy.deepcopy(drafter).to(dtype=target.model.dtype).eval()
+    generations = [speculative_generate(target.model, serving, p.ids, shape, max_new_tokens, set(target.stop_ids))
+                   for p in prompts]
+    method = MethodResult(shape.spec, shape, generations)
+    estimate = float(tau_est.get(chain, tau_est.get(str(chain), math.nan)))
+    return {"chain": chain, "tau_measured": method.tau, "tau_est": estimate, "gap": method.tau - estimate,
+            "prompts": len(prompts), "tokens": method.tokens, "verify_forwards": method.verify_forwards,
+            "seconds": time.perf_counter() - start}
