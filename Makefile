@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/hstap demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests  # one worker per core; a file's tests stay together
 
 clean:
 	rm -rf $(VENV) .hstap-cache

@@ -6,8 +6,15 @@ Converted weights are cached under $HSTAP_CACHE (default ~/.cache/hstap), so onl
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# `make test` runs two xdist workers on two cores, and the tests start engines and trainers in subprocesses: idle
+# OpenMP threads must sleep, not spin, or every oversubscribed matmul waits on a spinning sibling. Set before
+# torch loads; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,13 +39,17 @@ def tokenizer():
     return load_tokenizer("smollm2")
 
 
+SMALL_STORE = dict(limit=48, max_tokens=96)  # the small store's capture: online runs re-render exactly these
+
+
 @pytest.fixture(scope="session")
-def train_store(tmp_path_factory):
-    """A real capture of a few hundred ShareGPT conversations (short ones), shared by the training tests."""
+def small_store(tmp_path_factory):
+    """A real capture of 48 short ShareGPT conversations: enough for the tests that train a few steps (resume,
+    DDP, online = offline, time budget, bad stores), cheap enough to build in seconds."""
     from hstap.capture.config import CaptureConfig
     from hstap.capture.run import run_capture
 
-    out = tmp_path_factory.mktemp("train_store") / "store"
-    result = run_capture(CaptureConfig(out=out, limit=240, max_tokens=128, batch_tokens=4096), progress=False)
-    assert result.tap_report.errors == 0 and result.captured == 240
+    out = tmp_path_factory.mktemp("small_store") / "store"
+    result = run_capture(CaptureConfig(out=out, batch_tokens=4096, **SMALL_STORE), progress=False)
+    assert result.tap_report.errors == 0 and result.captured == SMALL_STORE["limit"]
     return out

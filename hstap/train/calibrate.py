@@ -2,8 +2,8 @@
 
 The estimate (`hstap.train.ttt.estimated_tau`) comes from teacher-forced agreement on held-out answers; it is
 exact only when those answers are the target's own greedy output. The measurement decodes a few held-out prompts
-greedily with real chain speculative decoding (`hstap.evaluate.spec.speculative_generate`, the code `hstap eval`
-runs) with the current drafter against the target, on the training device. Logged side by side with their gap, the
+greedily with real chain speculative decoding (`hstap.evaluate.spec.Methods`, the runtime `hstap eval` runs, all
+prompts as one batch) with the current drafter against the target, on the training device. Logged side by side with their gap, the
 two say how far the estimate of a long run can be trusted. The prompts are the training source's held-out
 conversations (the first user turn, up to the first answer token): MT-bench is for judging, never for tuning.
 
@@ -21,8 +21,8 @@ import time
 import torch
 
 from hstap.evaluate.run import MethodResult, Prompt
-from hstap.evaluate.shapes import DraftShape
-from hstap.evaluate.spec import speculative_generate
+from hstap.evaluate.spec import Methods
+from hstap.runtime.shapes import DraftShape
 
 MAX_PROMPT_TOKENS = 1024  # longer held-out prompts are passed over: the measurement should cost seconds
 
@@ -52,8 +52,9 @@ def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens
     start = time.perf_counter()
     # a copy in the target's dtype, as `hstap eval` loads a drafter (bf16 on a GPU): the τ a user will measure
     serving = copy.deepcopy(drafter).to(dtype=target.model.dtype).eval()
-    generations = [speculative_generate(target.model, serving, p.ids, shape, max_new_tokens, set(target.stop_ids))
-                   for p in prompts]
+    longest = max(len(p.ids) for p in prompts) + max_new_tokens
+    methods = Methods(target.model, serving, len(prompts), longest, [shape])
+    generations = methods.run(shape, [p.ids for p in prompts], max_new_tokens, set(target.stop_ids))
     method = MethodResult(shape.spec, shape, generations)
     estimate = float(tau_est.get(chain, tau_est.get(str(chain), math.nan)))
     return {"chain": chain, "tau_measured": method.tau, "tau_est": estimate, "gap": method.tau - estimate,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hstap.errors import HstapError
+from hstap.faults import fault_point
 
 CKPT = "checkpoint"
 
@@ -73,6 +74,7 @@ def save(out: Path, drafter, optimizer, scheduler, state: State, dist) -> None:
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
     }, tmp / "trainer.pt")
+    fault_point("checkpoint-written")  # HSTAP_FAULT: a crash between writing and renaming into place
     old = Path(out) / f".{CKPT}.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, target_to_draft_ids
 from hstap.config import TeacherSpec
 from hstap.errors import HstapError
+from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
 from hstap.train import checkpoint, distributed
 from hstap.train.config import TrainConfig
@@ -150,6 +151,14 @@ class WarmupCosine:
 PROBE_SKIP, PROBE_STEPS = 3, 10  # steps ignored (allocator, kernels warming up), then steps timed
 
 
+def probe_sizes(batches: int) -> tuple[int, int]:
+    """(untimed, timed) probe steps for a plan of `batches` batches: PROBE_SKIP + PROBE_STEPS, but never more
+    than the plan's own batches, plus one untimed warm-up — a tiny run must not spend most of its time probing."""
+    if batches >= PROBE_SKIP + PROBE_STEPS:
+        return PROBE_SKIP, PROBE_STEPS
+    return 1, max(1, batches)
+
+
 def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
                      layer_ids: list[int], device: torch.device, autocast) -> float:
     """Wall time of one training step (fetch, forward, backward) on the first batches of the plan, measured before
@@ -157,8 +166,9 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource,
     they are, and the measured batches are trained on again in order."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timed_from = 0.0
-    for n, indices in enumerate((batches * (PROBE_SKIP + PROBE_STEPS))[:PROBE_SKIP + PROBE_STEPS]):
-        if n == PROBE_SKIP:
+    skip, timed = probe_sizes(len(batches))
+    for n, indices in enumerate((batches * (skip + timed))[:skip + timed]):
+        if n == skip:
             sync()
             timed_from = time.perf_counter()
         batch = load_batch(source, indices, layer_ids, device)
@@ -167,7 +177,7 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource,
         loss.backward()
         model.zero_grad(set_to_none=True)
     sync()
-    return (time.perf_counter() - timed_from) / PROBE_STEPS
+    return (time.perf_counter() - timed_from) / timed
 
 
 def fit_to_budget(total: int, step: int, seconds_per_step: float, seconds_left: float) -> int:
@@ -264,7 +274,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         schedule.fitted = True  # every rank agreed on the same per-step time, so they stop at the same step
         bar.total = total_steps
         bar.refresh()
-        log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps})
+        log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps,
+                   "probe_steps": sum(probe_sizes(len(mine)))})
     last_eval = initial
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
@@ -290,6 +301,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 _say_how_long(cfg, time.perf_counter() - start, ETA_AFTER_STEPS, total_steps - state.step)
             if state.step % cfg.checkpoint_every == 0:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
+            fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
         if state.step_in_epoch >= len(plan) // batches_per_step:
             state.epoch += 1
             state.step_in_epoch = 0

@@ -138,10 +138,11 @@ def test_sigkill_at_several_points_then_resume_is_exact(tmp_path, target):
     """Each run SIGKILLs itself right after its n-th committed shard (HSTAP_FAULT, no timer): the store keeps
     exactly the committed shards, every one whole, and a resume completes the exact sample set."""
     out = tmp_path / "killed"
-    limit = 16
-    cmd = [sys.executable, "-m", "hstap.cli", *_capture_args(out, limit, "--shard-mb", "0.3", "--batch-tokens", "512")]
+    limit = 12  # short samples, one per 0.1 MiB shard: the property is about commits, not about sizes
+    cmd = [sys.executable, "-m", "hstap.cli", *_capture_args(out, limit, "--shard-mb", "0.1", "--batch-tokens", "256",
+                                                             "--max-tokens", "48")]
     committed = 0
-    for kill_after_shards in (1, 2, 3):
+    for kill_after_shards in (1, 2):  # a first run, then a resumed run, each killed
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSTAP_FAULT": f"shard-committed:{kill_after_shards}"}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -155,6 +156,6 @@ def test_sigkill_at_several_points_then_resume_is_exact(tmp_path, target):
     store = open_store(out)
     ids = store.ids()
     assert len(ids) == len(set(ids)), "duplicate samples after resume"
-    assert ids == [s.id for s in _expected(target.tokenizer, limit)]
+    assert ids == [s.id for s in _expected(target.tokenizer, limit, max_tokens=48)]
     assert verify_store(out) == []
     assert not list(out.glob("*.tmp"))

@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 
 from hstap.data import load_mtbench
-from hstap.data.filters import (REASONS, FilterSettings, ascii_letter_share, compression_ratio, function_word_share,
-                                prompt_problem, repeated_ngram_share)
+from hstap.data.filters import (
+    REASONS,
+    FilterSettings,
+    ascii_letter_share,
+    compression_ratio,
+    function_word_share,
+    prompt_problem,
+    repeated_ngram_share,
+)
 
 S = FilterSettings()
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<filename>"]

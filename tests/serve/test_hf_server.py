@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hstap.data import render_prompt
-from hstap.serve.hf_server import create_app
 from hstap.runtime.engine import Engine, Request
+from hstap.serve.hf_server import create_app
 
 NAME = "smollm2-test"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -160,9 +162,13 @@ CONVERSATIONS = [
 ]
 
 
-def _hstap(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def _hstap(*args: str) -> subprocess.CompletedProcess:
+    """A client command run in this process (the server is the separate process under test): its exit code and
+    output, as a subprocess would give them, without another interpreter start-up."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["hstap", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_hf_engine_serve_synth_capture_equals_the_embedded_capture(tmp_path, target):

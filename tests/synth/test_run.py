@@ -9,9 +9,9 @@ import pytest
 
 from hstap.cli import main
 from hstap.data import Conversation, iter_jsonl, open_source, render, render_prompt
+from hstap.runtime.engine import Engine, Request
 from hstap.store import open_store
 from hstap.synth.backend import Completion, RequestFailed
-from hstap.runtime.engine import Engine, Request
 from hstap.synth.config import SynthConfig
 from hstap.synth.run import answer, run_synth
 from tests.synth.conftest import read_records, write_jsonl

@@ -2,7 +2,8 @@
 
     ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER]]
 
-STOP_AFTER: both ranks leave cleanly right after the checkpoint of that step (a preempted job)."""
+STOP_AFTER: both ranks leave cleanly right after the checkpoint of that step (a preempted job). Each rank saves its
+trainable weights to DUMP/rank<R>.pt when it leaves (at STOP_AFTER, or at the end)."""
 
 import sys
 from pathlib import Path
@@ -21,12 +22,14 @@ if stop_after:
 
     def save_then_stop(out_dir, drafter, optimizer, scheduler, state, dist):
         real_save(out_dir, drafter, optimizer, scheduler, state, dist)
-        if state.step == stop_after:
+        if state.step == stop_after:  # this rank's weights at the preemption, then leave
+            torch.save({k: v.clone() for k, v in drafter.trainable_state_dict().items()},
+                       dump / f"rank{torch.distributed.get_rank()}.pt")
             torch.distributed.destroy_process_group()
             sys.exit(0)
 
     run_module.checkpoint.save = save_then_stop
-cfg = TrainConfig(store=store, out=out, max_steps=max_steps, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
+cfg = TrainConfig(store=store, out=out, max_steps=max_steps, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
                   heldout=0.05, checkpoint_every=stop_after or 200, calib_prompts=0)
 result = run_train(cfg, progress=False)
 rank = torch.distributed.get_rank()

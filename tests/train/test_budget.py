@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hstap.train.run import fit_to_budget
+from hstap.train.run import fit_to_budget, probe_sizes
 
 # (total, step, seconds_per_step, seconds_left, expected): expected worked out by hand as
 # min(total, step + whole steps that fit in seconds_left), at least step + 1
@@ -41,3 +41,11 @@ def test_fitted_count_grows_with_the_budget_and_stays_within_bounds(step):
     assert fitted == sorted(fitted), "more budget never means fewer steps"
     assert all(step + 1 <= f <= 100 for f in fitted)
     assert fitted[0] == step + 1 and fitted[-1] == 100
+
+
+@pytest.mark.parametrize("batches, expected", [
+    (13, (3, 10)), (100, (3, 10)),  # a real run: 3 untimed warm-up steps, 10 timed
+    (12, (1, 12)), (2, (1, 2)), (1, (1, 1)), (0, (1, 1)),  # a tiny plan: never probe more than its own batches
+])
+def test_probe_sizes(batches, expected):
+    assert probe_sizes(batches) == expected

@@ -2,6 +2,7 @@
 accumulating the same two batches, and leave checkpoints that one process resumes."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,26 +26,34 @@ def _torchrun(*args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_two_gloo_ranks_hold_identical_weights_after_a_step(train_store, tmp_path):
-    _torchrun(str(train_store), str(tmp_path / "run"), str(tmp_path))
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+@pytest.fixture(scope="module")
+def preempted(small_store, tmp_path_factory):
+    """One 2-rank run of 4 planned steps, preempted right after its step-2 checkpoint (each rank dumps its weights
+    as it leaves): what both tests below read."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2")
+    return tmp
+
+
+def test_two_gloo_ranks_hold_identical_weights_after_a_step(preempted):
+    rank0, rank1 = torch.load(preempted / "rank0.pt"), torch.load(preempted / "rank1.pt")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), f"{name} differs between ranks"
-    # the step moved the weights away from the seeded initialisation the trainer starts from
-    saved = Eagle3Drafter.from_pretrained(tmp_path / "run")  # written by rank 0 after the step
-    assert torch.equal(saved.fc.weight, rank0["fc.weight"])
+    # the checkpoint rank 0 wrote holds those weights, moved away from the seeded initialisation
+    saved = torch.load(preempted / "ddp" / "checkpoint" / "trainer.pt", weights_only=False)["drafter"]
+    assert torch.equal(saved["fc.weight"], rank0["fc.weight"])
     torch.manual_seed(0)
-    untrained = Eagle3Drafter(DrafterConfig.load(tmp_path / "run" / "config.json"))
+    untrained = Eagle3Drafter(DrafterConfig.load(preempted / "ddp" / "config.json"))
     assert not torch.equal(untrained.fc.weight, rank0["fc.weight"])
 
 
-def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(train_store, tmp_path):
+def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(preempted, small_store, tmp_path):
     """Same global batch (2 ranks × 1 batch vs 1 process × 2 batches): the same losses and weights up to summation
     order. A 2-rank run preempted after step 2 is finished by one process, as if nothing had happened."""
-    _torchrun(str(train_store), str(tmp_path / "ddp"), str(tmp_path), "4", "2")
-    common = dict(store=train_store, max_steps=4, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05,
-                  calib_prompts=0)
+    shutil.copytree(preempted / "ddp", tmp_path / "ddp")
+    common = dict(store=small_store, max_steps=4, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
+                  heldout=0.05, calib_prompts=0)
     single = run_train(TrainConfig(out=tmp_path / "single", grad_accum=2, **common), progress=False)
     with pytest.raises(HstapError, match="batches per step"):
         run_train(TrainConfig(out=tmp_path / "ddp", resume=True, **common), progress=False)

