@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.device.startswith("cuda"):
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(args.device)
     model = build_model(args.shape, args.device, args.model)

