@@ -18,7 +18,7 @@
 # Every step logs to $RUN/logs/<step>.log; a failed step is recorded and the next independent one still runs.
 set -uo pipefail
 RUN=${RUN:-/tmp/hrun}
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH=/tmp/site:/opt/hstap-assets/site:$REPO HSTAP_CACHE=$RUN/cache PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device README's rule
 export TOKENIZERS_PARALLELISM=false
@@ -45,17 +45,16 @@ bundle() {  # the results so far, in parts small enough to come back through $OU
 
 phase_a() {
   step a1_throughput_1gpu $TR --nproc_per_node 1 bench/train_throughput.py --device cuda --shape 8b \
-    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 6 --json
+    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 4 --json
   step a1_throughput_2gpu $TR --nproc_per_node 2 bench/train_throughput.py --device cuda --shape 8b \
-    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 6 --json
+    --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 --steps 4 --json
   step a2_checkpoint $PY bench/make_checkpoint.py --shape 8b --out "$RUN/llama8b" --tokenizer-from .gpu/tok
-  step a2_tap_overhead_tp $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda --model "$RUN/llama8b" \
-    --batch 4 --seq 2048 --reps 6
   local cap="capture --model $RUN/llama8b --data jsonl:.gpu/tok/convs.jsonl --max-tokens 1024 --dtype bf16 --device cuda"
   step a2_capture_1gpu $HSTAP $cap --out "$RUN/cap1"
   step a2_capture_tp $TR --nproc_per_node 2 -m hstap.cli $cap --out "$RUN/cap2"
   step a2_compare $HSTAP compare "$RUN/cap2" "$RUN/cap1"
-  rm -rf "$RUN/llama8b"
+  step a2_tap_overhead_tp $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda --model "$RUN/llama8b" \
+    --batch 4 --seq 2048 --reps 6
   bundle
 }
 
@@ -87,6 +86,17 @@ phase_b() {
   done
   if [ "$NGPU" -eq 1 ]; then gpu_tests 0; fi
   wait
+  after_synth
+}
+
+more_synth() {  # resume synth (batch $1) for at most $2 seconds: the run appends only the missing conversations
+  step b2_synth_more env CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$2" \
+    $HSTAP synth --model smollm2 --data "jsonl:$RUN/p0.jsonl" --turns all --out "$RUN/synth0.jsonl" --device cuda \
+    --batch-size "$1" --max-new-tokens 384
+}
+
+after_synth() {
+  local P="$RUN/prompts.jsonl"
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
   mkdir -p "$RUN/results"
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
@@ -153,7 +163,7 @@ case ${1:-status} in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
     if [ "$NGPU" -gt 1 ]; then phases="phase_a && phase_b"; else phases="phase_b"; fi
-    setsid nohup bash -c "source '$0' source && $phases" > "$RUN/logs/master.log" 2>&1 < /dev/null &
+    setsid nohup bash -c "source '$REPO/bench/h200_session.sh' source && $phases" > "$RUN/logs/master.log" 2>&1 < /dev/null &
     sleep 5; cat "$RUN/progress" 2>/dev/null; cat "$RUN/logs/gpus.txt" ;;
   status)
     cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null

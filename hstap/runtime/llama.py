@@ -99,6 +99,10 @@ class LeanLlama:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def cache_bytes(self, batch: int, length: int) -> int:
+        """Bytes of the KV cache `new_cache(batch, length)` allocates (keys and values of every layer)."""
+        return 2 * self.num_layers * batch * self.kv_heads * length * self.head_dim * self.dtype.itemsize
+
     def new_cache(self, batch: int, length: int) -> KVCache:
         return KVCache(self.num_layers, batch, self.kv_heads, length, self.head_dim, self.dtype, self.embed.device)
 

@@ -24,6 +24,9 @@ from hstap.runtime.kv import KVCache, block_columns, block_mask
 from hstap.runtime.llama import LeanLlama
 
 LEN_BUCKET = 256  # cache lengths are rounded up to this: one set of graphs serves every batch that fits
+KV_BUDGET = 0.4  # on CUDA the slots' caches together may take at most this share of the device's memory
+PREFILL_TOKENS = 1 << 16  # rows x width of one prefill forward; wider batches are prefilled in row chunks
+PREFILL_SCORES = 1 << 31  # rows x heads x width^2 attention scores of one prefill forward (the masked kernel's)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -56,6 +59,13 @@ class Slot:
     def positions(self) -> torch.Tensor:
         """(B,) position of the next token of each row (real tokens before it)."""
         return self.write_at - self.start
+
+
+def prefill_chunks(rows: int, width: int, heads: int) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) whose prefill stays within PREFILL_TOKENS tokens and PREFILL_SCORES attention scores;
+    e.g. 256 rows of 4096 tokens → 16-row chunks. At least one row per chunk."""
+    per = max(1, min(PREFILL_TOKENS // max(width, 1), PREFILL_SCORES // max(heads * width * width, 1)))
+    return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
 
 
 class Runtime:
@@ -98,20 +108,26 @@ class Runtime:
         need = width + max_new_tokens + reserve
         slot = self.slot = self._get_slot(-(-need // self.len_bucket) * self.len_bucket)
         slot.rows = rows
-        cache = DynamicCache(config=self.model.config)
-        with self._taps(aux_layers) as seen:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for layer, entry in enumerate(cache.layers):  # keys/values (B, H_kv, P, D)
-            slot.kv.load(layer, entry.keys, entry.values, rows, width)
+        logits, aux = [], []
+        for r0, r1 in prefill_chunks(rows, width, self.lean.heads):  # bounded activations and attention scores
+            cache = DynamicCache(config=self.model.config)
+            with self._taps(aux_layers) as seen:
+                out = self.model(input_ids=ids[r0:r1], attention_mask=mask[r0:r1],
+                                 position_ids=positions_from_mask(mask[r0:r1]), past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1)
+            for layer, entry in enumerate(cache.layers):  # keys/values (rows, H_kv, P, D)
+                slot.kv.load(layer, entry.keys, entry.values, r1 - r0, width, first=r0)
+            logits.append(out.logits[:, -1].float())  # (rows, V)
+            if aux_layers:
+                aux.append(torch.cat([seen[k] for k in aux_layers], dim=-1))  # (rows, P, n·H)
+            del cache, out
         slot.write_at.fill_(width)
         slot.bound, slot.eager = width, not (self.cuda_graphs or self.rehearse)
         slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
         slot.start[:rows] = width - mask.sum(-1)
-        logits = out.logits[:, -1].float()  # (rows, V)
         if not aux_layers:
-            return logits
-        return logits, torch.cat([seen[k] for k in aux_layers], dim=-1)  # (rows, P, n·H)
+            return torch.cat(logits)
+        return torch.cat(logits), torch.cat(aux)
 
     @contextmanager
     def _taps(self, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
@@ -132,10 +148,17 @@ class Runtime:
                 handle.remove()
 
     def _get_slot(self, length: int) -> Slot:
+        """The slot of this cache length; older slots are dropped (least recently used first) past `max_slots`, and
+        on CUDA past KV_BUDGET of the device's memory: a batch of 256 long conversations needs one 8k-column cache of
+        ~50 GB, and three such slots would not fit beside the prefill."""
         if length in self.slots:
             self.slots.move_to_end(length)
             return self.slots[length]
-        while len(self.slots) >= self.max_slots:
+        budget = KV_BUDGET * torch.cuda.get_device_properties(self.device).total_memory \
+            if self.device.type == "cuda" else float("inf")
+        need = self.lean.cache_bytes(self.batch_size, length)
+        while self.slots and (len(self.slots) >= self.max_slots or
+                              need + sum(s.kv.data.nbytes for s in self.slots.values()) > budget):
             self.slots.popitem(last=False)
         slot = self.slots[length] = Slot(self.lean, self.batch_size, length)
         return slot

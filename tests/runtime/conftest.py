@@ -48,11 +48,12 @@ def greedy_reference(model, prompt: list[int], max_new: int, stop_ids: set[int])
     """Plain greedy decoding on transformers' DynamicCache, one token per forward, the stop token included."""
     from transformers import DynamicCache
 
+    device = next(model.parameters()).device  # the model's own device: the CUDA tests pass a CUDA copy
     cache = DynamicCache(config=model.config)
-    ids, out = torch.tensor([prompt]), []
+    ids, out = torch.tensor([prompt], device=device), []
     while len(out) < max_new and not (out and out[-1] in stop_ids):
         out.append(int(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
-        ids = torch.tensor([out[-1:]])
+        ids = torch.tensor([out[-1:]], device=device)
     return out
 
 

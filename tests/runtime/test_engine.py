@@ -145,3 +145,35 @@ def test_cuda_graph_decode_equals_static_eager_and_generate():
     ref = ref[:, ids.shape[1]:].tolist()
     # bf16: attending over the padded static cache may round differently from generate's growing cache
     assert sum(g.tokens[:4] == r[:4] for g, r in zip(graph, ref)) >= len(reqs) - 1
+
+
+@pytest.mark.parametrize("rows, width, heads, chunks", [
+    (4, 100, 9, [(0, 4)]),  # small: one forward
+    (256, 4096, 9, [(r, r + 14) for r in range(0, 252, 14)] + [(252, 256)]),  # bounded by the attention scores
+    (256, 512, 9, [(r, r + 128) for r in range(0, 256, 128)]),  # bounded by the tokens
+    (3, 60000, 9, [(0, 1), (1, 2), (2, 3)]),  # one row per forward at the least
+])
+def test_prefill_chunks_bound_tokens_and_scores(rows, width, heads, chunks):
+    from hstap.runtime.target import prefill_chunks
+
+    assert prefill_chunks(rows, width, heads) == chunks
+
+
+def test_chunked_prefill_equals_one_forward(target, monkeypatch):
+    """Rows prefilled in chunks give the same logits and cache as one forward (the OOM fix must not change
+    a token)."""
+    import hstap.runtime.target as target_module
+
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]
+    ids, mask = left_pad(prompts, 0, "cpu")
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        rt = Runtime(target.model, batch_size=3, max_len=64, cuda_graphs=False)
+        logits = rt.prefill(ids, mask, 8)
+        return logits, rt.slot.kv.data.clone()
+
+    whole = run()
+    monkeypatch.setattr(target_module, "PREFILL_TOKENS", 6)  # one 6-token row per forward
+    chunked = run()
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-5, atol=1e-5)
