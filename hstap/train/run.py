@@ -277,6 +277,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps,
                    "probe_steps": sum(probe_sizes(len(mine)))})
     last_eval = initial
+    steps_from = time.perf_counter()  # the early estimate times training steps only (not the budget probe)
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
@@ -298,7 +299,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
             if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
-                _say_how_long(cfg, time.perf_counter() - start, ETA_AFTER_STEPS, total_steps - state.step)
+                _say_how_long(cfg, time.perf_counter() - steps_from, ETA_AFTER_STEPS, total_steps - state.step)
             if state.step % cfg.checkpoint_every == 0:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
