@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import Dtype, TeacherSpec, option
+from hstap.config import Device, Dtype, TeacherSpec, option
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 
@@ -39,7 +39,7 @@ class CaptureConfig(BaseModel):
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
     max_tokens: int = option(2048, "longest sample, in tokens", gt=0)
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
-    device: str = option("cpu", "cpu | cuda | cuda:N")
+    device: Device = option("cpu", "cpu | cuda | cuda:N")
     shard_mb: float = option(256, "target shard size in MiB", gt=0)
     force: bool = option(False, "capture even when free disk space looks short")
 
