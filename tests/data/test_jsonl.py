@@ -119,14 +119,14 @@ def test_open_source_sharegpt_all_recovers_continuations():
 
 # ---- property-based: whatever a line holds, a record is yielded, counted as a skip, or named in one line --------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hstap.data.checks import message_problem  # noqa: E402
 
 ANY_TEXT = st.text(st.characters(blacklist_categories=()), max_size=12)  # lone surrogates included
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "", "USER"]),
-                                 "content": st.one_of(ANY_TEXT, st.just("   "), st.just("hi"))})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "", "USER"]),
+                                 "content": st.one_of(st.just("hi"), ANY_TEXT, st.just("   "), st.just("x\ud800"))})
 RECORD = st.fixed_dictionaries({"id": st.sampled_from(["a", "b", "c", "d"]) | ANY_TEXT.filter(bool),
                                 "messages": st.lists(MESSAGE, max_size=4)})
 # derandomize: the same examples every run (a deterministic suite); no example database written into the repo
@@ -136,6 +136,7 @@ PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=N
 
 @PROPERTY
 @given(records=st.lists(RECORD, max_size=6))
+@example(records=[{"id": "s", "messages": [{"role": "user", "content": "x\ud800"}]}])  # a lone surrogate
 def test_every_well_formed_record_is_yielded_or_counted(tmp_path, records):
     """Records in the right shape with any roles, empty or missing turns, repeated ids, lone surrogates: each one
     is yielded (valid, writable as UTF-8) or counted by reason — never an exception, never lost."""
