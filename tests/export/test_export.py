@@ -340,12 +340,19 @@ BROKEN = [  # (name, change, what the one line names)
 ]
 
 
-@pytest.mark.parametrize("name, change, needle", BROKEN, ids=[b[0] for b in BROKEN])
-def test_check_catches_a_broken_export_in_one_line(name, change, needle, run_dir, tmp_path, capsys):
-    good = export_drafter(run_dir, "vllm", tmp_path / "good")
-    assert main(["export", "--drafter", str(run_dir), "--out", str(good), "--check"]) == 0
+@pytest.fixture(scope="module")
+def good_export(run_dir, tmp_path_factory):
+    return export_drafter(run_dir, "vllm", tmp_path_factory.mktemp("good") / "vllm")
+
+
+def test_check_passes_on_an_export(run_dir, good_export, capsys):
+    assert main(["export", "--drafter", str(run_dir), "--out", str(good_export), "--check"]) == 0
     assert "matches drafter" in capsys.readouterr().out
-    bad = _broken(good, tmp_path, name, **change)
+
+
+@pytest.mark.parametrize("name, change, needle", BROKEN, ids=[b[0] for b in BROKEN])
+def test_check_catches_a_broken_export_in_one_line(name, change, needle, run_dir, good_export, tmp_path, capsys):
+    bad = _broken(good_export, tmp_path, name, **change)
     assert main(["export", "--drafter", str(run_dir), "--out", str(bad), "--check"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err

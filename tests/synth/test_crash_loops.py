@@ -13,9 +13,11 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from tests.reliability import SEED, TRIALS, SmallDisk, hstap, killed, last_line, needs_loops, record
 
-pytestmark = needs_loops
+pytestmark = [needs_loops, pytest.mark.timeout(3600)]  # minutes of processes: past the 300 s default
 QUESTIONS = ["What is the capital of France?", "Is the sky blue?", "Name a prime number.", "Say hello in Spanish.",
              "What is 2 + 2?", "Name one ocean.", "What color is grass?", "How many legs does a spider have?"]
 

@@ -14,12 +14,13 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.reliability import SEED, TRIALS, SmallDisk, hstap, killed, last_line, needs_loops, record
 
-pytestmark = needs_loops
+pytestmark = [needs_loops, pytest.mark.timeout(3600)]  # minutes of processes: past the 300 s default
 
 
 def _common(store: Path, steps: int) -> tuple[str, ...]:
