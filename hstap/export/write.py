@@ -22,51 +22,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hstap.drafter.config import DrafterConfig
 from hstap.errors import HstapError
 from hstap.config import Dtype
-from hstap.export.formats import CHECKED_VERSIONS, EMBEDDING, expected_shapes, get_format
+from hstap.export.check import problems, read_drafter
+from hstap.export.formats import CHECKED_VERSIONS, EMBEDDING, get_format
 from hstap.preflight import check_out_dir
-
-
-def read_drafter(drafter_dir: Path | str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """A training run directory's config and tensors, checked against the shapes the config implies."""
-    run = Path(drafter_dir)
-    if not run.is_dir():
-        raise HstapError(f"{run}: no such drafter directory (expected a run directory written by `hstap train`)")
-    cfg = DrafterConfig.load(run / "config.json")
-    weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise HstapError(f"{weights}: missing (a drafter directory holds config.json and model.safetensors)")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise HstapError(f"{weights}: not readable as safetensors ({exc})") from None
-    _check_state(cfg, state, weights)
-    return cfg, state
-
-
-def _check_state(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: Path) -> None:
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(state))
-    unknown = sorted(set(state) - set(shapes) - {EMBEDDING})
-    if missing or unknown:
-        raise HstapError(f"{where}: not the drafter its config.json describes "
-                         f"(missing {missing or 'none'}, unexpected {unknown or 'none'})")
-    for name, shape in shapes.items():
-        if tuple(state[name].shape) != shape:
-            raise HstapError(f"{where}: {name} has shape {tuple(state[name].shape)}, config.json implies {shape}")
-    if state["d2t"].dtype != torch.int64 or state["t2d"].dtype != torch.bool:
-        raise HstapError(f"{where}: d2t must be int64 and t2d bool (got {state['d2t'].dtype}, {state['t2d'].dtype})")
-    targets = state["d2t"] + torch.arange(cfg.draft_vocab_size)  # d2t holds offsets: target = draft + d2t[draft]
-    in_range = bool(((targets >= 0) & (targets < cfg.vocab_size)).all())
-    if not in_range or not bool((targets[1:] > targets[:-1]).all()) or not bool(state["t2d"][targets].all()) \
-            or int(state["t2d"].sum()) != cfg.draft_vocab_size:
-        raise HstapError(f"{where}: d2t/t2d do not describe one draft vocabulary of {cfg.draft_vocab_size} "
-                         "distinct target ids (rebuild it with hstap.drafter.build_draft_vocab)")
 
 
 def _provenance(cfg: DrafterConfig, fmt: str, dtype: str, config: dict, drafter_dir: Path,
