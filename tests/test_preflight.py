@@ -72,6 +72,8 @@ CASES = [  # (id, argv with {placeholders}, what the one line must say)
     ("train-resume-no-checkpoint", "train --store {tmp}/s --out {tmp} --resume", "--resume: no checkpoint in"),
     ("train-resume-and-overwrite", "train --store {tmp}/s --out {tmp}/o --resume --overwrite", "pass one of them"),
     ("train-out-not-empty", "train --store {tmp}/s --out {tmp}", "is not empty (a-file, all-bad.jsonl, dir.jsonl"),
+    ("train-overwrite-not-a-run", "train --store {tmp}/s --out {tmp} --overwrite",
+     "--overwrite: --out {tmp} holds no training run (a-file, all-bad.jsonl"),
     ("export-store-without-check", "export --drafter {tmp}/d --format vllm --out {tmp}/e --store {tmp}/s",
      "--store goes with --check"),
     ("export-no-format", "export --drafter {tmp}/d --out {tmp}/e", "--format sglang|vllm is required"),

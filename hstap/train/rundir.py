@@ -27,6 +27,9 @@ RUN_FILES = ("checkpoint", ".checkpoint.tmp", ".checkpoint.old", "metrics.jsonl"
              "accuracy.png", "tau_estimate.png")
 
 
+RUN_MARKS = ("train_config.json", "metrics.jsonl", "checkpoint", ".checkpoint.tmp")  # only a run writes these
+
+
 def preflight(cfg: TrainConfig) -> None:
     """Every check that needs no model, data or process group: a bad flag fails in a second, not after loading."""
     from hstap.capture.layers import parse_layers
@@ -54,10 +57,14 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
                              "one, or this is not a run directory): start afresh with --overwrite")
         return
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    shown = ", ".join(held[:4]) + (f", … ({len(held)} entries)" if len(held) > 4 else "")
     if held and not overwrite:
-        shown = ", ".join(held[:4]) + (f", … ({len(held)} entries)" if len(held) > 4 else "")
         raise HstapError(f"--out {out} is not empty ({shown}): pass --resume to continue its run from the "
                          "checkpoint, --overwrite to start afresh, or choose another --out")
+    # --overwrite deletes config.json and model.safetensors: never those of a model directory named by mistake
+    if held and not set(held) & set(RUN_MARKS):
+        raise HstapError(f"--overwrite: --out {out} holds no training run ({shown}; none of "
+                         f"{', '.join(RUN_MARKS)}): choose another --out")
 
 
 def clear_run(out: Path) -> None:
