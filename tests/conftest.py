@@ -76,3 +76,22 @@ def read_only_dir(tmp_path):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KB filesystem (a tmpfs; root only, skipped otherwise): a real ENOSPC for anything bigger."""
+    import subprocess
+
+    path = tmp_path / "tiny-disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from hstap.drafter.config import DrafterConfig
@@ -120,7 +121,8 @@ def export_drafter(drafter_dir: Path | str, fmt: str, out_dir: Path | str, dtype
     try:
         _write_atomic(out, config, tensors, _provenance(cfg, fmt, dtype, config, drafter_dir, include_embedding),
                       (cfg, state))
-    except OSError as exc:
-        raise HstapError(f"--out {out}: {exc.strerror or exc} while writing the export; nothing was written "
-                         f"(an earlier {out.name} is left as it was)") from None
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise HstapError(f"--out {out}: {why} while writing the export; nothing was written (an earlier "
+                         f"{out.name} is left as it was)") from None
     return out

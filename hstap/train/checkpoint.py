@@ -92,14 +92,17 @@ def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
     try:
         tmp.mkdir(parents=True)
         fault_point("checkpoint-write")  # HSTAP_FAULT=checkpoint-write:N:enospc: the disk is full at the N-th
-        torch.save({
-            "drafter": drafter.trainable_state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "state": asdict(state),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        }, tmp / "trainer.pt")
+        # through a file object: a full disk raises OSError(ENOSPC) here, not the "unexpected pos" RuntimeError
+        # torch.save raises when it writes to a path itself
+        with open(tmp / "trainer.pt", "wb") as f:
+            torch.save({
+                "drafter": drafter.trainable_state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "state": asdict(state),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            }, f)
         # metrics written after this checkpoint are replayed by the resumed run: remember where to cut
         meta = {"step": state.step, "metrics_bytes": _synced_size(out / "metrics.jsonl")}
         (tmp / "meta.json").write_text(json.dumps(meta) + "\n")

@@ -327,12 +327,15 @@ def _save_final(drafter: Eagle3Drafter, out: Path, step: int) -> str | None:
     final checkpoint is in place: `--resume` writes them again without training)."""
     from hstap.train.plots import plot_metrics
 
+    from safetensors import SafetensorError
+
     try:
         drafter.save_pretrained(out)
         plot_metrics(out / "metrics.jsonl", out)
-    except OSError as exc:
-        return (f"{out}: {exc.strerror or exc} while writing the trained drafter; the checkpoint of step {step} is "
-                "in place: free space, then run the same command with --resume")
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        why = getattr(exc, "strerror", None) or str(exc)
+        return (f"{out}: {why} while writing the trained drafter; the checkpoint of step {step} is in place: free "
+                "space, then run the same command with --resume")
     return None
 
 

@@ -387,3 +387,11 @@ def test_every_export_is_checked_before_it_appears(run_dir, tmp_path, monkeypatc
                                          r"vllm would feed the drafter target layers \[0, 13, 25\]"):
         export_drafter(run_dir, "vllm", tmp_path / "e")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_really_full_disk_is_one_line_and_leaves_nothing(run_dir, tiny_disk, capsys):
+    """A 64 KB tmpfs: safetensors reports ENOSPC as its own SafetensorError (a traceback before 2026-12)."""
+    assert main(["export", "--drafter", str(run_dir), "--format", "sglang", "--out", str(tiny_disk / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "nothing was written" in err, err
+    assert list(tiny_disk.iterdir()) == []
