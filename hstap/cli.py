@@ -89,11 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     except HstapError as exc:
         if args.debug:
             raise
+        _close_progress_bars()
         print(f"hstap: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hstap: interrupted", file=sys.stderr)
         return 130
+
+
+def _close_progress_bars() -> None:
+    """Finish any progress bar still open, so the error is the last line on stderr, not a bar's repaint."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

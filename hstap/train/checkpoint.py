@@ -75,15 +75,18 @@ def save(out: Path, drafter, optimizer, scheduler, state: State, dist) -> None:
     if dist.rank == 0:
         try:
             _write(Path(out), drafter, optimizer, scheduler, state)
-        except OSError as exc:
-            error = exc
+        except (OSError, RuntimeError) as exc:
+            error = os_error(exc)
+            if error is None:
+                raise
     if dist.agree_max(float(error is not None)):  # every rank learns it: none waits forever in a barrier
         kept = read_meta(Path(out))
         earlier = f"the checkpoint of step {kept['step']} is kept" if kept else \
-            "the earlier checkpoint is kept" if exists(Path(out)) else "there is no earlier checkpoint"
+            "the earlier checkpoint is kept" if exists(Path(out)) else None
+        then = "run the same command with --resume" if earlier else "start again with --overwrite"
         why = (error.strerror or str(error)) if error is not None else "rank 0 could not write it"
-        raise HstapError(f"{Path(out) / CKPT}: {why} while writing the checkpoint of step {state.step}; {earlier}: "
-                         "free space, then run the same command with --resume")
+        raise HstapError(f"{Path(out) / CKPT}: {why} while writing the checkpoint of step {state.step}; "
+                         f"{earlier or 'there is no earlier checkpoint'}: free space, then {then}")
 
 
 def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
@@ -92,9 +95,7 @@ def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
     try:
         tmp.mkdir(parents=True)
         fault_point("checkpoint-write")  # HSTAP_FAULT=checkpoint-write:N:enospc: the disk is full at the N-th
-        # through a file object: a full disk raises OSError(ENOSPC) here, not the "unexpected pos" RuntimeError
-        # torch.save raises when it writes to a path itself
-        with open(tmp / "trainer.pt", "wb") as f:
+        with open(tmp / "trainer.pt", "wb") as f:  # through a file object: a full disk shows as OSError (os_error)
             torch.save({
                 "drafter": drafter.trainable_state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -116,6 +117,16 @@ def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: torch.save reports a full disk as RuntimeError("unexpected pos …") raised while
+    closing the archive, the write's OSError(ENOSPC) in its context (when writing through a file object)."""
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _synced_size(path: Path) -> int:
