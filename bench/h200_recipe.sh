@@ -98,7 +98,9 @@ case ${1:-status} in
     mkdir -p /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
-    setsid nohup bash -c "source '$REPO/bench/h200_recipe.sh' source && phase_r" > "$RUN/logs/master.log" 2>&1 \
+    # run from a private copy: later calls replace this working tree, and bash reads a script as it goes
+    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/pyproject.toml /tmp/hrepo/
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_r" > "$RUN/logs/master.log" 2>&1 \
       < /dev/null &
     sleep 3; cat "$RUN/logs/gpus.txt" ;;
   status)
