@@ -102,6 +102,28 @@ PYEOF
   echo "$(date +%T) ALL DONE" >> "$RUN/progress"
 }
 
+phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
+  while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
+  data_out
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --lr 2e-3 --epochs 30 --time-budget ${TRAIN2_BUDGET:-240s} --calib-prompts 4"
+  step r6_train $HSTAP $T --data "jsonl:$RUN/synth0.jsonl" --out "$RUN/drafter2"
+  $PY - "$RUN/drafter2" "$RUN/drafter2_bf16" <<'PYEOF'
+import sys, torch
+from hstap.drafter import Eagle3Drafter
+drafter = Eagle3Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16)
+drafter.save_pretrained(sys.argv[2], include_embedding=False)
+PYEOF
+  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
+  (cd "$RUN" && tar cf - drafter2_bf16 drafter2/metrics.jsonl drafter2/train_config.json 2>/dev/null \
+    | xz -T 16 -1 | split -b 15m -d -a 2 - pack/drafter2.tar.xz.part)
+  mv "$RUN"/pack/* "$RUN/out/"
+  cp "$RUN/drafter2/metrics.jsonl" "$RUN/results/drafter2.metrics.jsonl"
+  step r7_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter2" --device cuda --dtype bf16 --batch 1 \
+    --log "$RUN/results/spec2_b1.jsonl"
+  echo "$(date +%T) MORE DONE" >> "$RUN/progress"
+}
+
 case ${1:-status} in
   start)
     mkdir -p /tmp/site
@@ -117,8 +139,12 @@ case ${1:-status} in
     bundle
     if [ -n "${OUT:-}" ]; then
       cp "$RUN"/out/results.tgz.part* "$OUT"/ 2>/dev/null
-      for f in "$RUN"/out/data.* "$RUN"/out/drafter.*; do [ -f "$f" ] && mv "$f" "$OUT"/; done
+      for f in "$RUN"/out/data.* "$RUN"/out/drafter*; do [ -f "$f" ] && mv "$f" "$OUT"/; done
     fi
     ls -la "$OUT" 2>/dev/null ;;
+  more)
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
+      < /dev/null &
+    sleep 1; cat "$RUN/progress" ;;
   source) ;;
 esac
