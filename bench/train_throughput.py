@@ -66,22 +66,41 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
+def train_step(model, opt, batch: TTTBatch, device: torch.device) -> None:
+    """One optimizer step as `hstap train` takes it: TTT forward under autocast, backward, AdamW."""
+    with autocast(device):
+        loss = model(*batch_tensors(batch))[0]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def time_steps(model, opt, batch: TTTBatch, device: torch.device, steps: int) -> float:
-    """Median seconds of a training step (forward, backward, AdamW), 2 warm-ups excluded."""
+    """Median seconds of a training step, 2 warm-ups excluded."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(steps + 2):
         sync()
         t0 = time.perf_counter()
-        with autocast(device):
-            loss = model(*batch_tensors(batch))[0]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_step(model, opt, batch, device)
         sync()
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) -> None:
+    """One training step under torch.profiler: the `rows` ops with the most device (CUDA) or CPU self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        train_step(model, opt, batch, device)
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
 
 
 def main() -> None:
@@ -97,6 +116,8 @@ def main() -> None:
                     help="TTT attention backend (auto: flex on CUDA; math: materialised prefix scores)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing each length, profile one more step and print its N costliest kernels")
     args = ap.parse_args()
     dist = distributed.setup(args.device)
     torch.manual_seed(0)  # the same weights on every rank, as DDP expects
@@ -142,6 +163,8 @@ def main() -> None:
                                   "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                                   "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                                   "mfu": mfu, "matmul_tflops": measured, "attention": args.attention}))
+        if args.profile and dist.rank == 0:
+            print_profile(model, opt, batch, dist.device, args.profile)
         del batch
     if dist.enabled:
         torch.distributed.destroy_process_group()

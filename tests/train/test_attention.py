@@ -141,3 +141,39 @@ def test_ttt_unroll_equals_the_old_unroll_forward_and_gradients():
     assert out.stats[2].min() > 0  # every step counted some positions
     for (name, _), g, gr in zip([(n, p) for n, p in drafter.named_parameters() if p.requires_grad], grads, ref_grads):
         torch.testing.assert_close(g, gr, **FP32, msg=name)
+
+
+def test_backward_keeps_no_sequence_by_sequence_or_sequence_by_vocab_tensor(monkeypatch):
+    """What a training step holds for its backward: with flex attention and the fused head loss, nothing of shape
+    (…, S, S) or (…, S, Vd) — the two terms that grew with sequence² and with vocabulary × sequence × TTT. The
+    old unroll saves both (checked too, so the probe can see them)."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)  # see test_flex_backend_equals_the_reference
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=50, draft_vocab_size=24, aux_layer_ids=[1, 2, 4],
+                        target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
+    drafter = Eagle3Drafter(cfg)
+    d2t, t2d = build_draft_vocab(torch.arange(50) % 9, 24)
+    drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
+    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    b, s = 2, 40  # flex pads 40 to its 128-block
+    batch = TTTBatch(aux=torch.randn(b, s, 96), input_ids=torch.randint(0, 50, (b, s)),
+                     loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
+                     topk_ids=torch.randint(0, 50, (b, s, 6)), topk_logprobs=torch.randn(b, s, 6))
+
+    def saved_shapes(run) -> list[tuple[int, ...]]:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            run()
+        return shapes
+
+    def grows(shape: tuple[int, ...]) -> bool:
+        return sum(d in (s, 128) for d in shape) >= 2 or (s in shape and 24 in shape)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        new = saved_shapes(lambda: ttt_forward(drafter, batch, t2d_ids, steps=3, attention="flex"))
+    old = saved_shapes(lambda: reference_ttt_forward(drafter, batch, t2d_ids, 3, 0.8))
+    assert not [shape for shape in new if grows(shape)]
+    assert (b, 4, s, s) in old and (b, s, 24) in old
