@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 
 Sink = Callable[[str, dict[str, torch.Tensor]], None]
@@ -204,8 +205,7 @@ class Tap:
             return {name: rows.to(self.storage_dtype)}
         if self.teacher.kind == "hidden":
             return {"teacher.hidden": rows.to(self.storage_dtype)}
-        logprobs = torch.log_softmax(rows.float(), dim=-1)  # (T, V)
-        values, ids = logprobs.topk(self.teacher.k, dim=-1)  # (T, k)
+        values, ids = topk_logprobs(rows, self.teacher.k)  # (T, k): no (T, V) fp32 log-probs
         return {"teacher.topk_ids": ids.to(torch.int32), "teacher.topk_logprobs": values.to(torch.float16)}
 
     def _copy_out(self, pending: _Pending, name: str, tensor: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
@@ -54,8 +55,7 @@ def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: 
     Computed where `lm_head` lives (the training device when the target sits there), returned where `hidden` was."""
     weight = lm_head.weight
     with torch.no_grad():
-        logprobs = torch.log_softmax(lm_head(hidden.to(weight.device, weight.dtype)).float(), dim=-1)
-        values, ids = logprobs.topk(k, dim=-1)
+        values, ids = topk_logprobs(lm_head(hidden.to(weight.device, weight.dtype)), k)  # (S, k) each
     return {"topk_ids": ids.to(hidden.device, torch.int32), "topk_logprobs": values.to(hidden.device, torch.float16)}
 
 

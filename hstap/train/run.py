@@ -216,7 +216,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     drafter = _build_drafter(cfg, target, source, train_idx, layer_ids).to(device)
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     batches_per_step = dist.world_size * cfg.grad_accum  # batches in one optimizer step, all ranks together
 
     def epoch_plan(epoch: int) -> list[list[int]]:
