@@ -7,6 +7,8 @@ shows what was picked; any of them can be set explicitly.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -43,6 +45,9 @@ class TrainConfig(BaseModel):
                                 "--batch-tokens)", ge=1)
     ttt_steps: int | None = option(None, "training-time-test unroll length (default 7 on a GPU, 3 on a CPU)", ge=1)
     decay: float = option(0.8, "weight of TTT step k is decay**k", gt=0, le=1)
+    ttt_attention: Literal["auto", "flex", "math"] = option(
+        "auto", "TTT attention kernel: flex (fused, CUDA), math (materialised scores, exact reference), "
+        "auto = flex on CUDA")
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
                                            "on a CPU)", ge=1)
     heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
@@ -53,6 +58,9 @@ class TrainConfig(BaseModel):
     time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
                                          flag="--time-budget", metavar="DURATION", gt=0)
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
+    init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
+                                    "dir of the same target and layers; fresh optimizer and schedule)",
+                                    metavar="DIR")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
                                    "trains on this one")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "

@@ -28,7 +28,7 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
     for batch_idx in plan_batches(indices, source.lengths, cfg.batch_tokens, seed=0, epoch=0):
         batch = load_batch(source, batch_idx, layer_ids, device)
         with autocast(device):
-            out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay)
+            out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay, cfg.ttt_attention)
         weights = [cfg.decay ** k for k in range(steps)]
         losses, hits, positions = out.stats.tolist()  # one read-back per batch
         loss_sum += sum(w * l * n for w, l, n in zip(weights, losses, positions))

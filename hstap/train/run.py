@@ -105,18 +105,24 @@ def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
         raise HstapError(f"store {path}: missing tensor(s) {missing} (has {sorted(names)}); re-capture it")
 
 
-def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str) -> None:
-    """A resumed run must read the same layers of the same target as the drafter it continues."""
+def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str,
+                             flag: str = "--resume") -> None:
+    """A resumed (or initialised) run must read the same layers of the same target as the drafter it continues."""
     prior = DrafterConfig.load(out / "config.json")
     for field, mine, now in [("aux_layer_ids", prior.aux_layer_ids, layer_ids),
                              ("target_hidden_size", prior.target_hidden_size, hidden_size),
                              ("target_fingerprint", prior.target_fingerprint, fingerprint)]:
         if mine != now:
-            raise HstapError(f"--resume: drafter in {out} has {field}={mine}, the training data give {now}")
+            raise HstapError(f"{flag}: drafter in {out} has {field}={mine}, the training data give {now}")
 
 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
+    if cfg.init_from is not None:  # a drafter trained earlier (another session, a smaller set) keeps learning
+        _check_resume_compatible(Path(cfg.init_from), layer_ids, target.hidden_size, target.fingerprint,
+                                 flag="--init-from")
+        drafter = Eagle3Drafter.from_pretrained(cfg.init_from, target.model).float()
+        return drafter  # its own draft vocabulary: the head's rows are those tokens
     vocab = target.model.config.vocab_size
     size = min(cfg.draft_vocab, vocab)
     masks = (dict(zip(("input_ids", "loss_mask"), source.token_masks(i)))
@@ -227,7 +233,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
+    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention))
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)
