@@ -24,6 +24,20 @@ data_out() {  # prompts + answers, xz-compressed, in 15 MB parts: they travel ba
   mv "$RUN"/pack/* "$RUN/out/"  # whole parts only: a status call never moves a part still being written
 }
 
+ship_drafter() {  # ship_drafter NAME: $RUN/NAME as a bf16 copy without the target's embedding (~29 MB, what
+  # `hstap train --init-from` and a reference drafter take), xz parts that travel back once
+  $PY - "$RUN/$1" "$RUN/$1_bf16" <<'PYEOF'
+import sys, torch
+from hstap.drafter import Eagle3Drafter
+drafter = Eagle3Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16)
+drafter.save_pretrained(sys.argv[2], include_embedding=False)
+PYEOF
+  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
+  (cd "$RUN" && tar cf - "$1_bf16" "$1/metrics.jsonl" "$1/train_config.json" 2>/dev/null \
+    | xz -T 16 -1 | split -b 15m -d -a 2 - "pack/$1.tar.xz.part")
+  mv "$RUN"/pack/* "$RUN/out/"
+}
+
 phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and the one-third-data drafter
   wait_assets
   local P="$RUN/prompts.jsonl"
@@ -73,17 +87,7 @@ PYEOF
   fi
   wait
   step r3_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
-  # the drafter without the target's embedding, in bf16 (what a reference drafter would ship: ~29 MB)
-  $PY - "$RUN/drafter" "$RUN/drafter_bf16" <<'PYEOF'
-import sys, torch
-from hstap.drafter import Eagle3Drafter
-drafter = Eagle3Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16)
-drafter.save_pretrained(sys.argv[2], include_embedding=False)
-PYEOF
-  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
-  (cd "$RUN" && tar cf - drafter_bf16 drafter/metrics.jsonl drafter/train_config.json 2>/dev/null \
-    | xz -T 16 -1 | split -b 15m -d -a 2 - pack/drafter.tar.xz.part)
-  mv "$RUN"/pack/* "$RUN/out/"
+  ship_drafter drafter
   for d in drafter drafter_third; do
     cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null
     cp "$RUN/$d/config.json" "$RUN/results/$d.config.json" 2>/dev/null
@@ -108,16 +112,7 @@ phase_more() {  # after a resumed synth (r5): the drafter again on all answers s
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
     --lr 2e-3 --epochs 30 --time-budget ${TRAIN2_BUDGET:-240s} --calib-prompts 4"
   step r6_train $HSTAP $T --data "jsonl:$RUN/synth0.jsonl" --out "$RUN/drafter2"
-  $PY - "$RUN/drafter2" "$RUN/drafter2_bf16" <<'PYEOF'
-import sys, torch
-from hstap.drafter import Eagle3Drafter
-drafter = Eagle3Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16)
-drafter.save_pretrained(sys.argv[2], include_embedding=False)
-PYEOF
-  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
-  (cd "$RUN" && tar cf - drafter2_bf16 drafter2/metrics.jsonl drafter2/train_config.json 2>/dev/null \
-    | xz -T 16 -1 | split -b 15m -d -a 2 - pack/drafter2.tar.xz.part)
-  mv "$RUN"/pack/* "$RUN/out/"
+  ship_drafter drafter2
   cp "$RUN/drafter2/metrics.jsonl" "$RUN/results/drafter2.metrics.jsonl"
   step r7_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter2" --device cuda --dtype bf16 --batch 1 \
     --log "$RUN/results/spec2_b1.jsonl"
