@@ -49,7 +49,7 @@ NO_MATCH = re.compile(r"No modules matched hook spec '(hstap-[^']*)' patterns=(\
 REGISTERED = re.compile(r"Registered forward hook '(hstap-[^']*)' on (\S+)")
 CAPTURE_ERROR = re.compile(r"hstap capture: error: (.*)")  # hstap's own taps (hf engine): hooks that never fired
 PHASES = [("ready", None), ("first-request", None),
-          ("warmup", re.compile(r"warm ?up|capture cuda graph|cuda graph", re.I)),
+          ("warmup", re.compile(r"warm[- ]?up|capture cuda graph|cuda graph", re.I)),
           ("loading", re.compile(r"load|weight|shard|init", re.I))]
 ORDER = ["starting", "loading", "warmup", "first-request", "ready"]  # a phase only moves forward
 

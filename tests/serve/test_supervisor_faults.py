@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -41,6 +42,16 @@ def _stop(server: subprocess.Popen, tmp_path: Path) -> None:
     server.terminate()
     server.wait(timeout=30)
     _cleanup([int(x) for x in (tmp_path / "foreign-pids").read_text().split()])
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    """Wait until none of `pids` runs (exited, or a zombie nobody has reaped yet); False at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not _none_alive(pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_a_taken_port_is_a_one_line_error_before_anything_starts(tmp_path, capsys):
@@ -107,8 +118,7 @@ def test_the_engine_and_its_children_die_with_the_supervisor(tmp_path, sig):
         assert {p.pid for p in tree} >= set(_pids(tmp_path)) and len(_pids(tmp_path)) == 3, (tree, _pids(tmp_path))
         serve.send_signal(sig)
         out, _ = serve.communicate(timeout=60)
-        psutil.wait_procs(tree, timeout=60)
-        assert _none_alive([p.pid for p in tree]), tree
+        assert _gone([p.pid for p in tree], timeout=60), tree
         if sig == signal.SIGTERM:
             assert serve.returncode == 0 and "stopping the engine (stopped)" in out, out
         else:
