@@ -120,7 +120,7 @@ def killed(sig: int, run_dir: Path, engine: str = "fake") -> dict:
     while alive(p.pid for p in tree) and time.monotonic() - sent < 120:  # exited, or a zombie not yet reaped
         time.sleep(0.01)
     gone = time.monotonic() - sent
-    return {"fault": f"{signal.Signals(sig).name} to `hstap serve` ({engine} engine, ready after {ready:.0f} s)",
+    return {"fault": f"{signal.Signals(sig).name} to the supervisor ({engine} engine, ready after {ready:.0f} s)",
             "setting": "--grace 2", "ended": f"serve exit {serve.returncode}",
             "detected (s after last line)": "–", "stacks": "–",
             "all stopped (s after detection)": f"{gone:.1f} ({len(tree)} processes)",
@@ -141,7 +141,7 @@ def taken_port(run_dir: Path) -> dict:
         holder.listen()
         code, err, took = one_line(["serve", "--engine", "hf", "--model", "smollm2", "--port",
                                     str(holder.getsockname()[1]), "--run-dir", str(run_dir)])
-    return {"fault": "`hstap serve --port` held by another process", "setting": "–",
+    return {"fault": "serve's port held by another process", "setting": "–",
             "ended": f"exit {code}: {err[:90]}…", "detected (s after last line)": f"{took:.2f} (whole command)",
             "stacks": "–", "all stopped (s after detection)": "nothing started", "left alive": 0,
             "since start (s)": f"{took:.2f}"}
@@ -159,7 +159,7 @@ def dead_url(run_dir: Path) -> dict:
         url = f"http://127.0.0.1:{taken.getsockname()[1]}"
         code, err, took = one_line(["capture-remote", "--url", url, "--data", f"jsonl:{data}", "--capture-dir",
                                     str(run_dir / "cap")])
-    return {"fault": "`capture-remote` against a URL where nothing listens", "setting": "--retries 3 (default)",
+    return {"fault": "capture-remote against a URL where nothing listens", "setting": "--retries 3 (default)",
             "ended": f"exit {code}: {err[:90]}…", "detected (s after last line)": f"{took:.2f} (whole command, "
                                                                           "tokenizer loaded before)",
             "stacks": "–", "all stopped (s after detection)": "–", "left alive": 0, "since start (s)": f"{took:.2f}"}
