@@ -12,8 +12,7 @@ client only decides what gets prefilled:
 3. sends each as `POST /v1/completions {"prompt": [token ids], "max_tokens": 1}` — the OpenAI shape SGLang, vLLM
    and the hf engine all accept — with bounded concurrency and per-request timeouts; a request the server did not
    take (refused or reset connection, connect timeout, HTTP 502/503/504) is tried `--retries` times in all, with
-   backoff.
-   A server that answered none of them is given up on at once, in one line naming the URL: no waiting;
+   backoff; a server that answered none of them is given up on at once, in one line naming the URL: no waiting;
 4. waits until the store's manifest lists every id — bounded by `--timeout`, and given up after `--settle` seconds
    without a new sample — then prints the engine's counters. A server that answered every prefill while the engine
    stored none of them (taps that never fired: a module name the served model does not have) is an error, in
