@@ -12,15 +12,26 @@ Points: `shard-committed` (store writer, after the manifest names a new shard), 
 shard file in place, manifest not yet updated), `record-written` (synth, after a whole output line),
 `step-done` (train, after an optimizer step), `checkpoint-written` (train, checkpoint files written, not yet
 renamed into place).
+
+Points named `hang-…` block forever instead (idle, as a deadlock does: what the supervisor's stall watchdog must
+catch), points named `raise-…` raise `InjectedFault` instead; both on the n-th pass, like the others:
+`hang-loading`, `hang-warmup`, `hang-first-request` (the `hf` engine's start-up phases: before the model loads,
+before its warm-up generation, in its first request), `raise-in-tap` (a capture hook of the `hf` engine, inside
+the forward: the guard around the hook must keep the forward and the server going).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "HSTAP_FAULT"
 _passes: dict[str, int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """What a `raise-…` point raises."""
 
 
 def _plan() -> dict[str, int]:
@@ -32,9 +43,15 @@ def _plan() -> dict[str, int]:
 
 
 def fault_point(name: str) -> None:
-    """Count a pass of `name`; SIGKILL this process on the pass HSTAP_FAULT asks for."""
+    """Count a pass of `name`; on the pass HSTAP_FAULT asks for, SIGKILL this process (or hang, or raise)."""
     if ENV not in os.environ:
         return
     _passes[name] = _passes.get(name, 0) + 1
-    if _plan().get(name) == _passes[name]:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _plan().get(name) != _passes[name]:
+        return
+    if name.startswith("hang-"):
+        while True:  # no output, no CPU, no progress: only a watchdog outside ends this
+            time.sleep(3600)
+    if name.startswith("raise-"):
+        raise InjectedFault(f"{ENV} {name}:{_passes[name]}")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -69,6 +69,8 @@ class RemoteCaptureConfig(BaseModel):
     max_tokens: int = option(2048, "longest sample, as for hstap capture", gt=0)
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     concurrency: int = option(4, "requests in flight", ge=1)
+    retries: int = option(3, "attempts per request the server did not take (connection refused or reset, connect "
+                             "timeout, HTTP 502/503/504), with backoff", ge=1)
     timeout: float = option(600.0, "seconds for the whole run", gt=0)
     settle: float = option(30.0, "after the last answer, give up waiting for the store after this long without a "
                                  "new sample", gt=0)

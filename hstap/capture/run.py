@@ -156,7 +156,7 @@ def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], t
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
                disable=not progress)
     try:
-        with hf_taps(target.model, tap, layer_ids, teacher.kind), torch.inference_mode():
+        with hf_taps(target.model, tap, layer_ids, teacher.kind) as fired, torch.inference_mode():
             for batch in make_batches(todo, batch_tokens):
                 inputs, layout = _to_model_inputs(batch, target.tokenizer.pad_token_id, device)
                 tap.wait_capacity()
@@ -164,6 +164,11 @@ def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], t
                 target.model(**inputs, use_cache=False)
                 tap.end()
                 bar.update(sum(layout.lengths))
+                fired.requests += len(batch)
+                if silent := fired.silent():  # hooks that never fire: stop now, not after an empty store
+                    raise HstapError(fired.message(silent))
+            if silent := fired.silent(finished=True):
+                raise HstapError(fired.message(silent))
     finally:
         report = tap.close()
         bar.close()
