@@ -260,7 +260,8 @@ def _manifest_problems(path: Path, manifest: Manifest) -> list[str]:
                         f"shards add up to {s.samples} / {s.tokens} / {s.bytes}")
     for name in unlisted_shards(path, manifest):
         problems.append(f"{name}: on disk but not listed in {MANIFEST_NAME}, so not part of the store (an "
-                        "interrupted commit's leftover, or the manifest is older than the shards)")
+                        "interrupted commit's shard, which the next capture adopts, or the manifest is older than "
+                        "the shards)")
     return problems
 
 

@@ -1,7 +1,11 @@
 """What a writer does with a store that is not as its manifest says, before it appends anything.
 
     manifest = rebuild_manifest(Path("runs/cap"), meta)     # manifest.json lost: read the shard headers back
+    manifest = adopt(manifest, path / "shard-00007.safetensors")   # renamed by a commit that was killed
     manifest, notes = set_aside(path, manifest, {"shard-00003.safetensors": "missing"})   # --repair
+
+Nothing here deletes a shard that holds committed samples: `.tmp` files and an interrupted commit's shard that
+cannot be adopted are the only files removed (neither was ever listed); any other unlisted shard is refused.
 
 Every shard carries its sample ids (`samples`: [[id, offset, length], ...]) and, since 2026-12, the capture
 settings (`meta`) in its safetensors header, so a store whose manifest was deleted is rebuilt from its shards,
@@ -21,6 +25,7 @@ from hstap.config import dtype_name
 from hstap.errors import HstapError
 from hstap.store.manifest import (
     MANIFEST_NAME,
+    SHARD_RE,
     Manifest,
     SampleEntry,
     ShardInfo,
@@ -29,6 +34,7 @@ from hstap.store.manifest import (
     Totals,
     now_iso,
     shard_files,
+    shard_name,
 )
 from hstap.store.reader import _sha256_file
 
@@ -150,3 +156,32 @@ def set_aside(path: Path, manifest: Manifest, damaged: dict[str, str]) -> tuple[
                      "captured again")
     kept = [s for s in manifest.shards if s.file not in damaged]
     return manifest.model_copy(update={"shards": kept, "totals": Totals.of(kept), "updated": now_iso()}), notes
+
+
+def remove_tmp(path: Path) -> list[str]:
+    """Delete the store's `.tmp` files (never part of it: a write that did not finish); return their names."""
+    removed = []
+    for f in sorted(path.iterdir()):
+        ours = f.name.startswith("shard-") or f.name == MANIFEST_NAME + ".tmp"
+        if f.is_file() and f.name.endswith(".tmp") and ours:
+            f.unlink()
+            removed.append(f.name)
+    return removed
+
+
+def interrupted_commit(path: Path, manifest: Manifest) -> Path | None:
+    """The shard after the last listed one, if an interrupted commit left it; any other unlisted shard is refused:
+    no commit of this manifest leaves it (an older manifest restored over newer shards, a file copied in)."""
+    listed = {s.file for s in manifest.shards}
+    last = max((int(m.group(1)) for f in listed if (m := SHARD_RE.match(f))), default=-1)
+    after_last = shard_name(last + 1)
+    found = None
+    for f in shard_files(path):
+        if f.name in listed:
+            continue
+        if f.name != after_last:
+            raise HstapError(f"store {path}: {f.name} is on disk but not listed in {MANIFEST_NAME}, and no "
+                             f"interrupted commit leaves that file (it would be {after_last}): move it away, or "
+                             "restore the manifest that lists it, then re-run")
+        found = f
+    return found

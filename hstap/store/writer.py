@@ -50,12 +50,11 @@ from hstap.store.manifest import (
     load_manifest,
     now_iso,
     save_manifest,
-    shard_files,
     shard_name,
     torch_dtype,
 )
 from hstap.store.reader import _shard_problems, listed_problem
-from hstap.store.repair import adopt, rebuild_manifest, set_aside
+from hstap.store.repair import adopt, interrupted_commit, rebuild_manifest, remove_tmp, set_aside
 
 LOCK_NAME = ".writer.lock"
 INT32 = torch.iinfo(torch.int32)
@@ -126,8 +125,8 @@ class StoreWriter:
     def _tidy(self, manifest: Manifest) -> tuple[Manifest, list[str]]:
         """Remove `.tmp` leftovers; adopt the shard an interrupted commit left (or remove it, when its header
         does not fit: it holds no committed sample); refuse any other unlisted shard rather than delete it."""
-        removed = _remove_tmp(self.path)
-        after_last = _unlisted(self.path, manifest)
+        removed = remove_tmp(self.path)
+        after_last = interrupted_commit(self.path, manifest)
         if after_last is not None:
             adopted = adopt(manifest, after_last)
             if adopted is None:
@@ -308,35 +307,6 @@ def _check_same_meta(path: Path, stored: StoreMeta, asked: StoreMeta) -> None:
         raise HstapError(
             f"store {path} was captured with {'; '.join(diffs)}: use another --out or the same settings"
         )
-
-
-def _remove_tmp(path: Path) -> list[str]:
-    """Delete the store's `.tmp` files (never part of it: a write that did not finish); return their names."""
-    removed = []
-    for f in sorted(path.iterdir()):
-        ours = f.name.startswith("shard-") or f.name == MANIFEST_NAME + ".tmp"
-        if f.is_file() and f.name.endswith(".tmp") and ours:
-            f.unlink()
-            removed.append(f.name)
-    return removed
-
-
-def _unlisted(path: Path, manifest: Manifest) -> Path | None:
-    """The shard after the last listed one, if an interrupted commit left it; any other unlisted shard is refused:
-    no commit of this manifest leaves it (an older manifest restored over newer shards, a file copied in)."""
-    listed = {s.file for s in manifest.shards}
-    last = max((int(m.group(1)) for f in listed if (m := SHARD_RE.match(f))), default=-1)
-    after_last = shard_name(last + 1)
-    found = None
-    for f in shard_files(path):
-        if f.name in listed:
-            continue
-        if f.name != after_last:
-            raise HstapError(f"store {path}: {f.name} is on disk but not listed in {MANIFEST_NAME}, and no "
-                             f"interrupted commit leaves that file (it would be {after_last}): move it away, or "
-                             "restore the manifest that lists it, then re-run")
-        found = f
-    return found
 
 
 def _prepare(sample_id: str, name: str, t: torch.Tensor) -> torch.Tensor:
