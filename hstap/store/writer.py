@@ -7,9 +7,10 @@
                 w.add(sid, tensors)     # {"input_ids": [S], "loss_mask": [S], "hidden.14": [S, H], ...}
 
 Commit order (the crash-safety argument): shard bytes -> `shard-NNNNN.safetensors.tmp` -> fsync -> rename ->
-fsync dir -> manifest (same dance). Until the manifest lists a shard it is not part of the store; on reopen
-the writer deletes leftover `.tmp` files and the one orphan an interrupted commit can leave (the shard after the
-last listed one), reports them in `cleaned`, and refuses any other unlisted shard rather than delete it.
+fsync dir -> manifest (same dance). Until the manifest lists a shard it is not part of the store. On reopen the
+writer deletes leftover `.tmp` files, adopts the one unlisted shard an interrupted commit can leave (the shard after
+the last listed one, whole since it was fsynced before the rename; deleted instead if its header does not fit this
+store), reports both in `cleaned`/`notes`, and refuses any other unlisted shard rather than delete it.
 
 A shard commits when `shard_bytes` are buffered, or when its oldest sample has waited `commit_every_s` (a kill
 loses at most that much work). On reopen every listed shard must be present with its recorded size, or the writer

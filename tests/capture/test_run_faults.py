@@ -83,11 +83,10 @@ def _one_line(capsys) -> str:
     return last
 
 
-def test_sigterm_commits_the_buffer_and_a_resume_completes(tmp_path, args, expected, data, tokenizer, loaded_once,
-                                                          capsys):
+def test_sigterm_commits_the_buffer(tmp_path, args, expected, data, tokenizer):
     """A real process sends itself SIGTERM after its 2nd batch (HSTAP_FAULT, no timer). Shards are 256 MiB and
     commit every 60 s, so before the handler nothing was committed: now exactly the samples of those two batches
-    are, the exit code is 143 and the last line says so."""
+    are, the exit code is 143 and the last line says so. (Resumes after SIGTERM and SIGINT: test_crash_loops.)"""
     out = tmp_path / "store"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSTAP_FAULT": "batch-forwarded:2:TERM"}
     proc = subprocess.run([sys.executable, "-m", "hstap.cli", *args(out)], cwd=ROOT, env=env, capture_output=True,
@@ -100,10 +99,6 @@ def test_sigterm_commits_the_buffer_and_a_resume_completes(tmp_path, args, expec
     assert len(first_two) < len(expected)
     assert open_store(out).ids() == first_two and verify_store(out) == []
     assert f"{len(first_two)} samples committed" in last
-
-    assert main(args(out)) == 0
-    assert f"resumed past {len(first_two)} already-committed samples" in capsys.readouterr().out
-    assert open_store(out).ids() == expected and verify_store(out) == []
 
 
 def test_commit_every_is_a_duration_flag(tmp_path, args, capsys):

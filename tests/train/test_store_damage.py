@@ -4,30 +4,34 @@ the rest and says what it left out."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from hstap.capture.config import CaptureConfig
+from hstap.capture.run import run_capture
 from hstap.errors import HstapError
-from hstap.store import StoreWriter, open_store
+from hstap.store import open_store
 from hstap.train.config import TrainConfig
 from hstap.train.run import run_train
 
-FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.1, seed=0, calib_prompts=0, max_steps=1, batch_tokens=512)
+FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.25, seed=0, calib_prompts=0, max_steps=1, batch_tokens=1024)
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Opposite of hot?", "Two plus two?",
+             "How many legs does a spider have?", "What colour is the sky?", "Say hello.", "Name a fruit."]
 
 
 @pytest.fixture(scope="module")
-def sharded(small_store, tmp_path_factory):
-    """The session's small capture rewritten in four shards (real states; a shard can be damaged alone)."""
-    src = open_store(small_store)
-    out = tmp_path_factory.mktemp("sharded") / "store"
-    per_shard = src.manifest.totals.bytes // 4
-    with StoreWriter(out, src.manifest.meta, shard_bytes=per_shard) as w:
-        for sample in src:
-            flat = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"],
-                    **{f"hidden.{k}": t for k, t in sample["hidden"].items()},
-                    **{f"teacher.{k}": t for k, t in sample["teacher"].items()}}
-            w.add(sample["id"], flat)
-    assert len(open_store(out).manifest.shards) >= 3
-    return out
+def sharded(target, tmp_path_factory):
+    """A real capture of eight short conversations, one shard each (a shard can be damaged alone)."""
+    d = tmp_path_factory.mktemp("sharded")
+    (d / "convs.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": "A short answer."}]}) + "\n"
+        for i, q in enumerate(QUESTIONS)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("hstap.capture.run.load_target", lambda *a, **k: target)
+        run_capture(CaptureConfig(data=f"jsonl:{d / 'convs.jsonl'}", out=d / "store", shard_mb=0.1), progress=False)
+    assert len(open_store(d / "store").manifest.shards) >= 4
+    return d / "store"
 
 
 @pytest.fixture
