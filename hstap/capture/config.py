@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import Dtype, TeacherSpec, option
+from hstap.config import Dtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 
@@ -41,9 +41,14 @@ class CaptureConfig(BaseModel):
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
     device: str = option("cpu", "cpu | cuda | cuda:N")
     shard_mb: float = option(256, "target shard size in MiB", gt=0)
+    commit_every: float = option(60.0, "commit buffered samples as a shard at least this often (90s, 5m): a kill "
+                                       "loses at most this much work", metavar="DURATION", gt=0)
     force: bool = option(False, "capture even when free disk space looks short")
+    repair: bool = option(False, "resume a store with damaged shards: set them aside (*.damaged) and capture "
+                                 "their samples again")
 
     _layers_text = field_validator("layers", mode="before")(layers_text)
+    _duration = field_validator("commit_every", mode="before")(parse_duration)
 
     def resolved(self) -> dict:
         """The config with `layers` resolved against the model's config.json (no weights loaded)."""

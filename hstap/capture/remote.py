@@ -22,6 +22,7 @@ Re-running resumes: samples already in the store are neither announced nor sent 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -67,13 +68,43 @@ def _stored_ids(capture_dir: Path) -> set[str]:
 
 
 def announce(capture_dir: Path, samples) -> None:
-    """Append the samples to `requests.jsonl` and fsync, so the engine knows them before it sees them."""
-    capture_dir.mkdir(parents=True, exist_ok=True)
-    with open(capture_dir / REQUESTS_NAME, "a", encoding="utf-8") as f:
-        for s in samples:
-            f.write(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append the samples to `requests.jsonl` and fsync, so the engine knows them before it sees them.
+
+    Under an exclusive lock, in one write: two clients never interleave bytes. A line a killed client left without
+    its newline is cut first (engines read whole lines only, so none has seen it; its sample is announced again)."""
+    try:
+        capture_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(capture_dir / REQUESTS_NAME, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise HstapError(f"--capture-dir {capture_dir}: cannot write {REQUESTS_NAME} ({e.strerror})") from None
+    payload = "".join(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
+                      for s in samples).encode()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _cut_partial_line(fd)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _cut_partial_line(fd: int, chunk: int = 1 << 16) -> None:
+    end = os.lseek(fd, 0, os.SEEK_END)
+    pos = end
+    while pos > 0:
+        start = max(0, pos - chunk)
+        data = os.pread(fd, pos - start, start)
+        if pos == end and data.endswith(b"\n"):
+            return
+        newline = data.rfind(b"\n")
+        if newline >= 0:
+            os.ftruncate(fd, start + newline + 1)
+            return
+        pos = start
+    if end:
+        os.ftruncate(fd, 0)
 
 
 RETRY_STATUS = {502, 503, 504}  # a proxy or a server that is not taking requests (yet): worth another try

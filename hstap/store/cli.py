@@ -16,7 +16,9 @@ def add_arguments(parser) -> None:
 
 
 def format_info(info: dict) -> str:
-    return "\n".join(f"  {key:>17}: {value}" for key, value in info.items())
+    """The info as aligned `key: value` lines, then one `BAD` line per problem found."""
+    lines = [f"  {key:>17}: {value}" for key, value in info.items() if key != "problems"]
+    return "\n".join(lines + [f"BAD {p}" for p in info.get("problems", [])])
 
 
 def run(cfg: StoreInfoConfig | StoreVerifyConfig) -> int:
@@ -25,7 +27,7 @@ def run(cfg: StoreInfoConfig | StoreVerifyConfig) -> int:
     if isinstance(cfg, StoreInfoConfig):
         info = store_info(cfg.dir)
         print(json.dumps(info, indent=2, default=str) if cfg.as_json else format_info(info))
-        return 0
+        return 1 if info["problems"] else 0
     problems = verify_store(cfg.dir)
     for line in problems:
         print(f"BAD {line}")

@@ -5,8 +5,9 @@
 
 Per tensor (hidden.k, teacher.*) and per common sample: max |a - b|, relative error ||a - b|| / ||b|| and the
 lowest per-token cosine similarity; input_ids and loss_mask must be identical. The verdict is MATCH when every
-common sample agrees within its tolerance and `--min-cos` and neither store has samples the other lacks (exit 0),
-MISMATCH otherwise (exit 1). A tensor's tolerance follows its stored dtype: `--rtol`, or the dtype's own rounding
+common sample agrees within its tolerance and `--min-cos` and neither store has samples the other lacks (exit 0);
+COMMON MATCH when every common sample agrees but a store has samples the other lacks (exit 3: the states agree,
+the sample sets do not — e.g. one capture was cut short); MISMATCH otherwise (exit 1). A tensor's tolerance follows its stored dtype: `--rtol`, or the dtype's own rounding
 step where that is larger (fp16 9.8e-4, bf16 7.8e-3; `hstap.config.rounding_step`), since two correct computations
 that sum in another order (a tensor-parallel all-reduce, another kernel) may round one step apart. Layer ids are compared as stored (canonical in both), so a store captured with an
 off-by-one layer convention shows up as a large error on every layer, not as a silent pass.
@@ -49,19 +50,34 @@ class Comparison:
     min_cos: float = 0.999
 
     @property
-    def ok(self) -> bool:
-        return (self.common > 0 and not self.only_a and not self.only_b and not self.token_mismatch
+    def common_match(self) -> bool:
+        """Every sample both stores hold agrees (and there is at least one)."""
+        return (self.common > 0 and not self.token_mismatch
                 and all(s.max_rel <= s.rtol and s.min_cos >= self.min_cos for s in self.tensors.values()))
 
+    @property
+    def ok(self) -> bool:
+        return self.common_match and not self.only_a and not self.only_b
+
+    @property
+    def status(self) -> str:
+        """`match` (exit 0), `common-match` (exit 3: extra samples on a side), `mismatch` (exit 1)."""
+        return "match" if self.ok else "common-match" if self.common_match else "mismatch"
+
     def verdict(self) -> str:
+        agree = (f"relative error within each tensor's tolerance (≥ {self.rtol:g}) and cosine ≥ {self.min_cos:g} on "
+                 "every tensor, identical tokens")
         if self.ok:
-            return (f"verdict: MATCH — {self.common} samples, relative error within each tensor's tolerance "
-                    f"(≥ {self.rtol:g}) and cosine ≥ {self.min_cos:g} on every tensor, identical tokens")
+            return f"verdict: MATCH — {self.common} samples, {agree}"
+        extra = f"{len(self.only_a)} samples only in A, {len(self.only_b)} only in B"
+        if self.common_match:
+            return (f"verdict: COMMON MATCH — all {self.common} common samples match ({agree}); {extra}, not "
+                    "compared")
         why = []
         if self.common == 0:
             why.append("no common samples")
         if self.only_a or self.only_b:
-            why.append(f"{len(self.only_a)} samples only in A, {len(self.only_b)} only in B")
+            why.append(extra)
         if self.token_mismatch:
             why.append(f"{len(self.token_mismatch)} samples with different tokens (first {self.token_mismatch[0]!r})")
         for name, s in self.tensors.items():

@@ -10,7 +10,8 @@ from hstap.config import option
 
 
 class StoreInfoConfig(BaseModel):
-    """Samples, tokens, layers, dtype, bytes/token and bytes on disk of a store."""
+    """Samples, tokens, layers, dtype, bytes/token and bytes on disk of a store; exit 1 naming a missing or
+    truncated shard, totals that disagree with the shards, or an unlisted shard file (no checksums: `verify`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -19,7 +20,7 @@ class StoreInfoConfig(BaseModel):
 
 
 class StoreVerifyConfig(BaseModel):
-    """Check every shard's checksum; exit 1 naming a bad shard."""
+    """Check every shard's checksum; exit 1 naming a bad shard (or a shard file the manifest does not list)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -27,7 +28,8 @@ class StoreVerifyConfig(BaseModel):
 
 
 class CompareConfig(BaseModel):
-    """Per-layer, per-sample differences between two stores of the same samples.
+    """Per-layer, per-sample differences between two stores of the same samples; exit 0 MATCH, 1 MISMATCH, 3 when
+    every common sample matches but a store has samples the other lacks.
 
     A tensor stored in a low-precision dtype may differ by its own rounding step whatever `rtol` asks (see
     `hstap.config.rounding_step`); fp32 tensors keep `rtol` itself."""

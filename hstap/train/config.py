@@ -27,6 +27,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     store: Path | None = option(None, "capture store to train from (offline)")
+    skip_bad_shards: bool = option(False, "check every shard's checksum first and leave damaged ones out (counted "
+                                          "and reported) instead of stopping at the first")
     online: bool = option(False, "run the target in-process; no store on disk")
     model: str = option("smollm2", "the target: 'smollm2' or a checkpoint dir")
     data: str = option("sharegpt", "(online) sharegpt | mt-bench | jsonl:PATH")

@@ -80,7 +80,12 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
         return source, layer_ids, teacher
     from hstap.store import open_store
 
-    store = open_store(cfg.store)
+    store = open_store(cfg.store, skip_bad_shards=cfg.skip_bad_shards)
+    if store.skipped:
+        s = store.skipped
+        tqdm.write(f"hstap train: skipped {len(s)} damaged shards of {len(s) + len(store.manifest.shards)} "
+                   f"({sum(x.samples for x in s)} samples, {sum(x.tokens for x in s)} tokens left out): "
+                   + "; ".join(x.problem for x in s))
     meta = store.manifest.meta
     if len(store) == 0:
         raise HstapError(f"store {cfg.store} is empty: run `hstap capture --out {cfg.store}` first")
