@@ -3,7 +3,7 @@ hanging in each start-up phase (HSTAP_FAULT). Every test checks with psutil that
 
 The hangs in the `hf` engine's warm-up and first request need the model loaded first (~15 s on the 2-core test
 machine, plus a stall timeout above the silent load): they run with HSTAP_RELIABILITY_LOOPS=1 only; the loading
-hang runs in the suite. Detection times are recorded in docs/reliability-serve.md (bench/serve_faults.py).
+hang runs in the suite. Detection times are recorded in docs/reliability.md (bench/serve_faults.py).
 """
 
 from __future__ import annotations
