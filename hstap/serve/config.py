@@ -34,7 +34,7 @@ class ServeConfig(BaseModel):
                                              "container or test double); it gets the same arguments",
                                        flag="--command", metavar="'PROGRAM ARGS'")
     drafter: Path | None = option(None, "hf engine: decode speculatively with this drafter run directory")
-    draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K; default chain:3 "
+    draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K, hybrid:K[,N]; default chain:3 "
                                      "with --drafter)")
     extra: list[str] = option(default_factory=list, help="-- then engine arguments", positional=True)
     echo: bool = option(True, "echo the engine's output", cli=False)
@@ -68,7 +68,7 @@ class HfServerConfig(BaseModel):
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")
     dtype: Dtype = option("bf16", "hidden-state storage dtype")
     drafter: Path | None = option(None, "decode speculatively with this drafter run directory (`hstap train`)")
-    draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N or ngram:K (no drafter needed); default "
+    draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N, hybrid:K[,N] or ngram:K (no drafter needed); default "
                                      "chain:3 with --drafter")
 
     @field_validator("draft")
