@@ -1,5 +1,5 @@
 """τ of chain, prompt-lookup and hybrid drafting on MT-bench, replayed on the target's own greedy answers
-(hstap.evaluate.replay): no decoding loop, so a CPU does all 80 questions in minutes. Tables overall and per
+(hstap.train.replay): no decoding loop, so a CPU does all 80 questions in minutes. Tables overall and per
 MT-bench category. Speed is bench/spec_decode.py's job; this chooses shapes.
 
     python bench/replay_tau.py --drafter DIR --max-new-tokens 256 --shapes chain:3 ngram:3 hybrid:3,1 hybrid:3,2
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hstap.evaluate.replay import chain_runs, greedy_answers, replay
+from hstap.train.replay import chain_runs, greedy_answers, replay
 from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape

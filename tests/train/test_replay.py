@@ -9,7 +9,7 @@ import torch
 from hstap.data import load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
 from hstap.drafter.vocab import target_to_draft_ids
-from hstap.evaluate.replay import chain_runs, greedy_answers, lookup, replay
+from hstap.train.replay import chain_runs, greedy_answers, lookup, replay
 from hstap.evaluate.run import Prompt
 from hstap.evaluate.spec import Methods
 from hstap.runtime.shapes import DraftShape

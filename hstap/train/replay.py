@@ -1,4 +1,5 @@
-"""τ of greedy speculative decoding replayed on the target's own greedy answers, without a decoding loop.
+"""τ of greedy speculative decoding replayed on the target's own greedy answers, without a decoding loop (here, not
+in evaluate/, because it runs the training-time unroll: train may import evaluate, not the reverse).
 
 With greedy verification, what a cycle accepts is decided by the answer itself: the drafts are compared with the
 tokens the target would produce anyway. So once the greedy answer is known, the τ of every draft shape follows
