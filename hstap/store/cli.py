@@ -16,14 +16,23 @@ def add_arguments(parser) -> None:
 
 
 def format_info(info: dict) -> str:
-    return "\n".join(f"  {key:>17}: {value}" for key, value in info.items())
+    lines = []
+    for key, value in info.items():
+        if key == "projected":
+            value = ", ".join(f"{n:,} samples {size}" for n, size in value.items())
+        elif key == "bytes_per_token":
+            value = f"{value:.1f} (measured over the shards; {value / info['hidden_size']:.2f}·H)"
+        elif key == "tokens_per_sample":
+            value = f"{value:.1f}"
+        lines.append(f"  {key:>24}: {value}")
+    return "\n".join(lines)
 
 
 def run(cfg: StoreInfoConfig | StoreVerifyConfig) -> int:
     from hstap.store import store_info, verify_store
 
     if isinstance(cfg, StoreInfoConfig):
-        info = store_info(cfg.dir)
+        info = store_info(cfg.dir, project=cfg.project)
         print(json.dumps(info, indent=2, default=str) if cfg.as_json else format_info(info))
         return 0
     problems = verify_store(cfg.dir)
