@@ -64,8 +64,9 @@ def rounding_step(name: str) -> float:
     at least 1 - step**2 / 2 (`cosine_floor`).
 
     fp8 is scaled per token (amax / 448, hstap.store.fp8), so every element but the ones under 2**-9 of the row's
-    largest (fp8's subnormals, which carry almost none of the row's norm) rounds to within half this step; measured
-    on SmolLM2 an fp8 store is 0.02-0.03 from the bf16 one (relative norm), well inside 0.125."""
+    largest (fp8's subnormals, which carry almost none of the row's norm) rounds to within half this step. Measured
+    on 96 SmolLM2 conversations (docs/benchmarks.md): an fp8 store is at most 0.023 from the bf16 one (relative
+    norm per sample), per-token cosine ≥ 0.9995."""
     bits = {"fp32": 23, "fp16": 10, "bf16": 7, "fp8": 3}
     name = LEGACY_DTYPES.get(name, name)
     if name not in bits:

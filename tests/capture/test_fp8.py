@@ -20,12 +20,12 @@ from hstap.train.data import StoreSource, load_batch
 from hstap.train.run import load_metrics, run_train
 
 LAYERS = [1, 14, 26]
-CAPTURE = ["--limit", "6", "--max-tokens", "96", "--batch-tokens", "1024"]
+CAPTURE = ["--limit", "4", "--max-tokens", "96", "--batch-tokens", "1024"]
 
 
 @pytest.fixture(scope="module")
 def stores(target, tmp_path_factory):
-    """(fp8 store, bf16 store) of the same 6 ShareGPT conversations, through `hstap capture` itself (the session's
+    """(fp8 store, bf16 store) of the same 4 ShareGPT conversations, through `hstap capture` itself (the session's
     SmolLM2 stands in for the reload)."""
     d = tmp_path_factory.mktemp("fp8")
     with pytest.MonkeyPatch.context() as mp:
@@ -114,7 +114,7 @@ def test_trainer_dequantises_on_its_device_and_trains_like_bf16(stores, target, 
     assert rel.max() < 0.0625, rel.max()  # per token, all three layers: within half of fp8's step
 
     monkeypatch.setattr("hstap.models.load_target", lambda *a, **k: target)  # the session's SmolLM2, not a reload
-    fast = dict(max_steps=2, batch_tokens=384, draft_vocab=1024, ttt_steps=2, heldout=0, seed=0, calib_prompts=0)
+    fast = dict(max_steps=2, batch_tokens=192, draft_vocab=1024, ttt_steps=2, heldout=0, seed=0, calib_prompts=0)
     losses = {}
     for name, store in (("fp8", fp8), ("bf16", bf16)):
         run_train(TrainConfig(store=store, out=tmp_path / name, **fast), progress=False)
