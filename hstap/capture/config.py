@@ -10,9 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import Dtype, TeacherSpec, option, parse_duration
+from hstap.config import StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
+DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
 
 
 def layers_text(value):
@@ -33,7 +34,7 @@ class CaptureConfig(BaseModel):
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     out: Path = option(help="store directory (re-run to resume)")
     layers: str = option("auto", LAYERS_HELP)
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", DTYPE_HELP)
     teacher: TeacherSpec = option(TeacherSpec(), "topk:K (the target's top-k log-probs) or hidden (final norm)",
                                   metavar="topk:K|hidden")
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
@@ -89,7 +90,7 @@ class EngineFlagsConfig(BaseModel):
     model: str = option(help="'smollm2' or the served checkpoint directory (its config.json is read)")
     layers: str = option("auto", LAYERS_HELP)
     out: Path = option(help="capture directory (the store the engine writes)")
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", DTYPE_HELP)
     shard_mb: float = option(64, "shard size in MiB", gt=0)
     flush_s: float = option(1.0, "commit buffered samples after this long idle", gt=0)
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP
-from hstap.config import Dtype, option
+from hstap.config import StoreDtype, option
 
 
 class ServeConfig(BaseModel):
@@ -66,7 +66,7 @@ class HfServerConfig(BaseModel):
     max_batch: int = option(8, "requests decoded together", ge=1)
     capture_layers: str | None = option(None, f"{LAYERS_HELP}; 'auto' when only --capture-dir is given")
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", "hidden-state storage dtype (fp8: e4m3 with a scale per token and layer)")
     drafter: Path | None = option(None, "decode speculatively with this drafter run directory (`hstap train`)")
     draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N, hybrid:K[,N] or ngram:K (no drafter needed); default "
                                      "chain:3 with --drafter")

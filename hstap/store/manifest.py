@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hstap.config import LEGACY_DTYPES, Dtype, TeacherSpec, dtype_name, torch_dtype  # noqa: F401 — re-exported
+from hstap.config import LEGACY_DTYPES, StoreDtype, TeacherSpec, dtype_name, torch_dtype  # noqa: F401 — re-exported
 from hstap.errors import HstapError
 from hstap.faults import fault_point
 
@@ -44,7 +44,7 @@ class StoreMeta(BaseModel):
     model_fingerprint: str
     layer_ids: list[int]
     hidden_size: int
-    hidden_dtype: Dtype
+    hidden_dtype: StoreDtype
     teacher: TeacherSpec
     extra: dict = Field(default_factory=dict)
 

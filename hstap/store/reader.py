@@ -18,7 +18,9 @@ from typing import Any
 from safetensors import safe_open
 
 from hstap.errors import HstapError
-from hstap.store.estimate import human_bytes
+from hstap.store.config import PROJECT_SAMPLES
+from hstap.store.estimate import bytes_per_token, conventional_specs, human_bytes, projected_bytes
+from hstap.store.fp8 import SCALE_PREFIX, dequantize_sample
 from hstap.store.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -75,9 +77,13 @@ class Store:
         """One sample, read from its shard's rows only; negative indices count from the end."""
         return self.read(i)
 
-    def read(self, i: int, keys: set[str] | None = None) -> dict[str, Any]:
+    def read(self, i: int, keys: set[str] | None = None, dequantize: bool = True) -> dict[str, Any]:
         """Like `store[i]`, reading only the tensors named in `keys` (e.g. {"input_ids", "loss_mask"} to count
-        tokens without touching the hidden states)."""
+        tokens without touching the hidden states; an fp8 layer's scales come with it).
+
+        An fp8 store's hidden states come back as bf16 (`hstap.store.fp8.dequantize`); with `dequantize=False`
+        they stay float8_e4m3fn and their scales come as `sample["hidden_scale"][k]` (S,) fp32, for a trainer
+        that dequantises after the copy to its device."""
         n = len(self._index)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
@@ -88,7 +94,7 @@ class Store:
         rows = slice(entry.offset, entry.offset + entry.length)
         sample: dict[str, Any] = {"id": entry.id, "hidden": {}, "teacher": {}}
         for name in self.manifest.tensors:
-            if keys is not None and name not in keys:
+            if keys is not None and name not in keys and not _scale_of(name, keys):
                 continue
             try:
                 t = handle.get_slice(name)[rows]  # (S, *shape)
@@ -99,11 +105,13 @@ class Store:
                 sample[name] = t.long()  # int32 on disk, int64 for embedding lookups
             elif name.startswith("hidden.") and name[7:].lstrip("-").isdigit():
                 sample["hidden"][int(name[7:])] = t
+            elif name.startswith(SCALE_PREFIX) and name[len(SCALE_PREFIX):].lstrip("-").isdigit():
+                sample.setdefault("hidden_scale", {})[int(name[len(SCALE_PREFIX):])] = t
             elif name.startswith("teacher."):
                 sample["teacher"][name[8:]] = t
             else:
                 sample[name] = t
-        return sample
+        return dequantize_sample(sample) if dequantize else sample
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
@@ -156,6 +164,11 @@ class Store:
         if len(self._handles) > OPEN_SHARDS:
             self._handles.popitem(last=False)
         return handle
+
+
+def _scale_of(name: str, keys: set[str]) -> bool:
+    """`hidden_scale.k` is read whenever `hidden.k` is: the fp8 values mean nothing without it."""
+    return name.startswith(SCALE_PREFIX) and "hidden." + name[len(SCALE_PREFIX):] in keys
 
 
 def _load(path: Path | str) -> tuple[Path, Manifest]:
@@ -285,16 +298,23 @@ def verify_store(path: Path | str) -> list[str]:
     return problems
 
 
-def store_info(path: Path | str) -> dict[str, Any]:
+def store_info(path: Path | str, project: list[int] | tuple[int, ...] = PROJECT_SAMPLES) -> dict[str, Any]:
     """Summary for `hstap store info`, from the manifest and file sizes only (no shard is read).
 
     The counts are summed from the shard list, not copied from the manifest's totals; `problems` names every
     listed shard that is missing or has another size than recorded (one stat each), totals that disagree with
-    the shard list, and shard files the manifest does not list. Checksums need a full read: `verify_store`."""
+    the shard list, and shard files the manifest does not list. Checksums need a full read: `verify_store`.
+    `bytes_per_token` is measured: the committed shards' bytes (headers included) over their tokens.
+    `bytes_per_token_estimate` is what capture's disk estimate computes from the tensor specs
+    (`hstap.store.estimate.bytes_per_token`), `teacher_bytes_per_token` the teacher's part of it, and `projected`
+    the size of a store of N samples of this store's mean length at the measured rate."""
     path, manifest = _load(path)
     meta, totals = manifest.meta, Totals.of(manifest.shards)
     on_disk = sum((path / s.file).stat().st_size for s in manifest.shards if (path / s.file).exists())
     problems = [p for s in manifest.shards if (p := listed_problem(path, s))] + _manifest_problems(path, manifest)
+    specs = manifest.tensors or conventional_specs(meta)
+    per_token = totals.bytes / totals.tokens if totals.tokens else 0.0
+    per_sample = totals.tokens / totals.samples if totals.samples else 0.0
     return {
         "path": str(path),
         "samples": totals.samples,
@@ -305,9 +325,13 @@ def store_info(path: Path | str) -> dict[str, Any]:
         "hidden_dtype": meta.hidden_dtype,
         "teacher": str(meta.teacher),
         "tensors": {n: f"{s.dtype}{s.shape}" for n, s in manifest.tensors.items()},
-        "bytes_per_token": totals.bytes / totals.tokens if totals.tokens else 0.0,
+        "bytes_per_token": per_token,
+        "bytes_per_token_estimate": bytes_per_token(specs),
+        "teacher_bytes_per_token": bytes_per_token({n: s for n, s in specs.items() if n.startswith("teacher.")}),
+        "tokens_per_sample": per_sample,
         "bytes_on_disk": on_disk,
         "size": human_bytes(on_disk),
+        "projected": {int(n): human_bytes(projected_bytes(per_token, per_sample, n)) for n in project},
         "model_id": meta.model_id,
         "model_fingerprint": meta.model_fingerprint,
         "created": manifest.created,

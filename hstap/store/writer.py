@@ -37,6 +37,7 @@ from safetensors.torch import save as st_save
 from hstap.errors import HstapError
 from hstap.faults import fault_point
 from hstap.store.estimate import bytes_per_token, human_bytes
+from hstap.store.fp8 import scale_name
 from hstap.store.manifest import (
     MANIFEST_NAME,
     SHARD_RE,
@@ -374,4 +375,10 @@ def _check_hidden_against_meta(sample_id: str, specs: dict[str, TensorSpec], met
             raise HstapError(
                 f"sample {sample_id!r}: tensor {name!r} is {spec.dtype} {spec.shape}, the store meta says "
                 f"{meta.hidden_dtype} [{meta.hidden_size}]"
+            )
+        scale = specs.get(scale_name(name))
+        if meta.hidden_dtype == "fp8" and (scale is None or scale.dtype != "fp32" or scale.shape != []):
+            raise HstapError(
+                f"sample {sample_id!r}: fp8 tensor {name!r} needs {scale_name(name)!r} (fp32, one per token), "
+                f"got {f'{scale.dtype} {scale.shape}' if scale else 'none'}"
             )

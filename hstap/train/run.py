@@ -103,6 +103,8 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
 def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
     names = set(manifest.tensors)
     needed = {"input_ids", "loss_mask", *(f"hidden.{k}" for k in layer_ids)}
+    if manifest.meta.hidden_dtype == "fp8":
+        needed |= {f"hidden_scale.{k}" for k in layer_ids}
     teacher = {"teacher.topk_ids", "teacher.topk_logprobs"} if manifest.meta.teacher.kind == "topk" \
         else {"teacher.hidden"}
     missing = sorted((needed | teacher) - names)
