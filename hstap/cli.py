@@ -48,14 +48,23 @@ def chosen_command(argv: list[str]) -> str | None:
     return words[0] if words and words[0] in COMMANDS else None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (an unknown flag, a bad choice), pointing at --help instead of
+    printing the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the command named in `argv` gets its flags (all of them when `argv` is None)."""
-    parser = argparse.ArgumentParser(prog="hstap", description="hidden-state tap: EAGLE-3 drafters for your LLM")
+    parser = _Parser(prog="hstap", description="hidden-state tap: EAGLE-3 drafters for your LLM")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     chosen = chosen_command(argv) if argv is not None else None
+    parser.commands = {}  # name → its parser: an unknown flag is reported by the command it was given to
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(module=module)
         if argv is None or name == chosen:
             importlib.import_module(module).add_arguments(p)
@@ -66,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     from hstap.config import config_from_args, plan_text
 
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.commands[args.cmd].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         module = importlib.import_module(args.module)
         cfg = config_from_args(args, sections=list(COMMANDS))
@@ -77,11 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     except HstapError as exc:
         if args.debug:
             raise
+        _close_progress_bars()
         print(f"hstap: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         print(f"hstap: {exc or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(exc, "signum", 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+
+
+def _close_progress_bars() -> None:
+    """Finish any progress bar still open, so the error is the last line on stderr, not a bar's repaint."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ import argparse
 import re
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
 from hstap.errors import HstapError
@@ -37,6 +37,17 @@ Dtype = Literal["bf16", "fp16", "fp32"]  # what a model computes in (eval, expor
 StoreDtype = Literal["bf16", "fp16", "fp32", "fp8"]
 LEGACY_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # stores written before 2026-12
 TENSOR_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int64", "int32", "int16", "uint8", "bool")
+
+
+def device_text(value: Any) -> Any:
+    """The spelling of a device flag, checked when the config validates (no torch import): `cpu`, `cuda` or
+    `cuda:N`. Whether that device is here is `hstap.preflight.check_device`'s question, asked at run time."""
+    if isinstance(value, str) and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ValueError(f"expected cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+Device = Annotated[str, BeforeValidator(device_text)]  # every command's --device
 
 
 def torch_dtype(name: str):
@@ -283,7 +294,8 @@ def describe_validation_error(exc: ValidationError, cls: type[BaseModel], sectio
     elif err["type"] == "extra_forbidden":
         msg = f"unknown field; valid: {', '.join(cls.model_fields)}"
     else:
-        msg = err["msg"].removeprefix("Value error, ") + (f" (got {err['input']!r})" if "input" in err else "")
+        shown = "input" in err and loc  # a check of the whole config would show every field as its input
+        msg = err["msg"].removeprefix("Value error, ") + (f" (got {err['input']!r})" if shown else "")
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where}: {msg}{more}"
 

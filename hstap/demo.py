@@ -160,7 +160,8 @@ def run(cfg: DemoConfig) -> int:
         trained = run_train(TrainConfig(**source, out=drafter, epochs=p.epochs, ttt_steps=p.ttt_steps,
                                         draft_vocab=p.draft_vocab, lr=p.lr, batch_tokens=p.batch_tokens,
                                         device=p.device, heldout=0.05, time_budget_s=p.train_budget_s,
-                                        calib_prompts=p.calib_prompts, calib_tokens=p.calib_tokens))
+                                        calib_prompts=p.calib_prompts, calib_tokens=p.calib_tokens,
+                                        overwrite=True))  # the demo retrains in its own directory on a re-run
         print(trained.summary())
         done("train")
 

@@ -5,6 +5,7 @@ racing a timer.
     HSTAP_FAULT=record-written:2,shard-committed:1 ...  # several points, each with its own count
     HSTAP_FAULT=batch-forwarded:2:TERM hstap capture    # send itself SIGTERM after the 2nd batch (a scheduler's stop)
     HSTAP_FAULT=shard-write:1:ENOSPC hstap capture      # the 1st shard write fails as on a full disk
+    HSTAP_FAULT=record-write:3:enospc hstap synth ...   # the 3rd pass raises OSError(ENOSPC) (actions in any case)
 
 Each `fault_point(name)` call counts one pass of that point in this process; on the n-th pass named in
 HSTAP_FAULT (`name[:count[:action]]`, count 1 by default) the action runs:
@@ -19,8 +20,12 @@ shard file in place, manifest not yet updated), `shard-write` (store writer, hal
 `manifest-write` (store writer, half of a manifest's bytes in its `.tmp`), `sample-buffered` (store writer, a
 sample copied into the buffer), `capture-checked` (capture: store locked, layers and disk checked, model not yet
 loaded), `model-loaded` (capture), `batch-forwarded` (capture, a batch's forward done and handed to the tap),
-`record-written` (synth, after a whole output line), `step-done` (train, after an optimizer step),
-`checkpoint-written` (train, checkpoint files written, not yet renamed into place).
+`record-write` (synth/prompts, before a whole output line is written), `record-written` (synth/prompts, after a
+whole output line), `model-load` (any command, target weights read, tokenizer not yet), `decode-step` (runtime
+decode loop, after each new token of a batch: mid-batch in synth), `train-batch` (train, after a batch's backward,
+before the optimizer step), `step-done` (train, after an optimizer step), `checkpoint-write` (train, temp
+checkpoint directory made, files not yet written), `checkpoint-written` (train, checkpoint files written, not yet
+renamed into place).
 
 Points named `hang-…` block forever instead (idle, as a deadlock does: what the supervisor's stall watchdog must
 catch), points named `raise-…` raise `InjectedFault` instead; both on the n-th pass, like the others:
@@ -72,7 +77,7 @@ def fault_point(name: str) -> None:
     if name.startswith("raise-"):
         raise InjectedFault(f"{ENV} {name}:{_passes[name]}")
     if action == "ENOSPC":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (HSTAP_FAULT {name}:{count}:enospc)")
     os.kill(os.getpid(), getattr(signal, "SIG" + action))
 
 

@@ -53,3 +53,45 @@ def small_store(tmp_path_factory):
     result = run_capture(CaptureConfig(out=out, batch_tokens=4096, **SMALL_STORE), progress=False)
     assert result.tap_report.errors == 0 and result.captured == SMALL_STORE["limit"]
     return out
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write into. Modes do not stop root, so as root a read-only tmpfs is mounted
+    there (and unmounted after); as another user the directory is chmod 555. Skipped where neither works."""
+    import subprocess
+
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KB filesystem (a tmpfs; root only, skipped otherwise): a real ENOSPC for anything bigger."""
+    import subprocess
+
+    path = tmp_path / "tiny-disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)

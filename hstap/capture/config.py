@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import StoreDtype, TeacherSpec, option, parse_duration
+from hstap.config import Device, StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
@@ -40,7 +40,7 @@ class CaptureConfig(BaseModel):
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
     max_tokens: int = option(2048, "longest sample, in tokens", gt=0)
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
-    device: str = option("cpu", "cpu | cuda | cuda:N")
+    device: Device = option("cpu", "cpu | cuda | cuda:N")
     shard_mb: float = option(256, "target shard size in MiB", gt=0)
     commit_every: float = option(60.0, "commit buffered samples as a shard at least this often (90s, 5m): a kill "
                                        "loses at most this much work", metavar="DURATION", gt=0)

@@ -34,6 +34,7 @@ from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
 from hstap.models import load_target, load_tokenizer
 from hstap.models.target import fingerprint_dir, model_config, resolve_model_dir
+from hstap.preflight import check_device, check_out_dir
 from hstap.store import StoreMeta, StoreWriter, bytes_per_token, capture_specs, check_free_space
 
 
@@ -125,6 +126,8 @@ def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: Teac
 
 def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     """Capture `cfg.data` through `cfg.model` into the store at `cfg.out` (resuming if it exists)."""
+    check_out_dir(cfg.out)  # before rendering and the model load: a bad --out or --device fails in a second
+    check_device(cfg.device)
     teacher = cfg.teacher
     report = SkipReport()
     samples = render_all(cfg.data, load_tokenizer(cfg.model), report, max_tokens=cfg.max_tokens,

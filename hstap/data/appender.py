@@ -8,8 +8,10 @@ Each record is one `json.dumps(...) + "\\n"` handed to the kernel by `os.write` 
 killed process (even SIGKILL) leaves every finished line in the file; only the line being written can be cut
 short. On open, a trailing line without its newline is such a leftover: it is truncated away and reported
 (`partial_bytes_removed`), and the caller produces that record again. Lines are fsynced every `fsync_every`
-records and on close, which bounds what a power loss (not a process kill) can take. `hstap synth` and
-`hstap prompts` both write through this class.
+records and on close, which bounds what a power loss (not a process kill) can take. A write that fails (a full
+disk: ENOSPC, a quota, an I/O error) is rolled back to the last whole line and raised as a one-line HstapError:
+every record before it stays, and a re-run resumes after them. `hstap synth` and `hstap prompts` both write
+through this class.
 """
 
 from __future__ import annotations
@@ -92,21 +94,24 @@ class JsonlAppender:
         return ids
 
     def write(self, record: dict) -> None:
-        """Append one record as one line; its id joins `ids`."""
-        write_all(self._fd, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        """Append one record as one line; its id joins `ids`. HstapError (file whole as before) if it fails."""
+        append_line(self._fd, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"), self.path,
+                    f"the {len(self.ids)} records before it are whole and kept", fault="record-write")
         self.ids.add(record["id"])
         self._unsynced += 1
         if self._unsynced >= self.fsync_every:
-            os.fsync(self._fd)
+            sync(self._fd, self.path)
             self._unsynced = 0
         fault_point("record-written")
 
     def close(self) -> None:
         if self._fd < 0:
             return
-        os.fsync(self._fd)
-        os.close(self._fd)  # releases the flock
-        self._fd = -1
+        try:
+            sync(self._fd, self.path)
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = -1
 
     def __enter__(self) -> "JsonlAppender":
         return self
@@ -114,6 +119,30 @@ class JsonlAppender:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def append_line(fd: int, data: bytes, path: Path, kept: str, fault: str | None = None) -> None:
+    """Append `data` (whole lines) to the O_APPEND `fd` of `path`, or leave the file as it was and raise a one-line
+    HstapError: a short write followed by ENOSPC would otherwise leave half a line for the next run to trim.
+    `fault`: the HSTAP_FAULT point passed just before the write (`record-write:N:enospc`: the disk is full)."""
+    size = os.fstat(fd).st_size
+    try:
+        if fault:
+            fault_point(fault)
+        write_all(fd, data)
+    except OSError as exc:
+        os.ftruncate(fd, size)
+        raise HstapError(f"{path}: {exc.strerror or exc} while appending a line; {kept}: free space, "
+                         "then re-run the same command to resume") from None
+
+
+def sync(fd: int, path: Path) -> None:
+    """fsync, a failure (ENOSPC on a filesystem that allocates late, EIO) as a one-line HstapError."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise HstapError(f"{path}: {exc.strerror or exc} while syncing it to disk: free space or check the disk, "
+                         "then re-run the same command to resume") from None
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from hstap.config import option
+from hstap.config import Device, option
 from hstap.data.filters import FilterSettings
 
 SOURCE_NAMES = ("sharegpt", "magpie", "code")
@@ -35,7 +35,7 @@ class PromptsConfig(BaseModel):
     seed: int = option(0, "seed of every choice: ShareGPT order, code tasks, Magpie sampling")
     sharegpt_continuations: bool = option(True, "sharegpt: recover the chunks that start with an answer")
     model: str = option("smollm2", "magpie: the target that writes the prompts ('smollm2' or a checkpoint dir)")
-    device: str = option("cpu", "magpie: cpu | cuda | cuda:N")
+    device: Device = option("cpu", "magpie: cpu | cuda | cuda:N")
     batch_size: int = option(16, "magpie: prompts sampled per decode batch (sampling is reproducible for the "
                                  "same batch size and device)", ge=1)
     cuda_graphs: bool | None = option(None, "magpie: replay the decode step as a CUDA graph (default: on CUDA)")

@@ -33,8 +33,9 @@ def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
     """Tokens and assistant-only mask of `conv`, or None (reason counted in `report`) when it is unusable.
 
     Over `max_tokens`: "truncate" keeps the first max_tokens tokens (counted `truncated`), "skip" drops the
-    sample (`too_long`). A sample left without any masked token although it had answers is dropped
-    (`no_assistant_tokens`), as is one whose text contains a special-token string such as `<|endoftext|>`
+    sample (`too_long`). A sample whose first answer starts past max_tokens (a 1 MB question, say) would keep no
+    answer token: it is dropped as `prompt_over_max_tokens` (raise `--max-tokens` to keep it), as is one whose
+    text contains a special-token string such as `<|endoftext|>`
     (`special_token_text`): the tokenizer would turn it into a control token nobody typed.
     """
     if overlong not in ("truncate", "skip"):
@@ -48,7 +49,7 @@ def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
             return _drop(report, "too_long")
         ids, mask = ids[:max_tokens], mask[:max_tokens]
         if spans and not any(mask):
-            return _drop(report, "no_assistant_tokens")
+            return _drop(report, "prompt_over_max_tokens")
         if report is not None:
             report.add("truncated")
     return RenderedSample(id=conv.id, input_ids=ids, loss_mask=mask)

@@ -14,6 +14,7 @@ decoding differ only in which keys a query may see.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -161,8 +162,13 @@ class Eagle3Drafter(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         self.config.save(out / "config.json")
         state = self.state_dict() if include_embedding else self.trainable_state_dict()
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt", "hstap": json.dumps({"aux_layer_ids": self.config.aux_layer_ids})})
+        tmp = out / "model.safetensors.tmp"  # renamed into place whole: a crash or a full disk leaves no torn file
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp),
+                      metadata={"format": "pt", "hstap": json.dumps({"aux_layer_ids": self.config.aux_layer_ids})})
+            os.replace(tmp, out / "model.safetensors")
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def from_pretrained(cls, run_dir: Path | str, target_model: nn.Module | None = None) -> "Eagle3Drafter":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from hstap.config import Dtype, option
+from hstap.config import Device, Dtype, option
 from hstap.errors import HstapError
 
 DEFAULT_SHAPES = ["ngram:3", "chain:3"]
@@ -36,7 +36,7 @@ class EvalConfig(BaseModel):
     batch: int = option(1, "prompts decoded together (every method, vanilla too)", ge=1)
     warmup: int = option(1, "untimed runs of each method on the first batch", ge=0)
     seed: int = option(0, "sampling seed (per batch)")
-    device: str = option("cpu", "cpu | cuda | cuda:N")
+    device: Device = option("cpu", "cpu | cuda | cuda:N")
     dtype: Dtype | None = option(None, "target and drafter dtype (default: fp32 on CPU, bf16 on CUDA)")
     cuda_graphs: bool = option(True, "on CUDA, replay captured graphs (--no-cuda-graphs: the same code eagerly)")
     out: Path | None = option(None, "report directory (default: the drafter's)")

@@ -3,6 +3,6 @@
     from hstap.export.write import export_drafter
     export_drafter("runs/drafter", "vllm", "runs/drafter-vllm")   # -> Path of the written directory
 
-hstap/export/write.py reads and checks the drafter and writes the directory atomically; formats.py holds what
-each engine's loader expects.
+hstap/export/write.py writes the directory atomically; check.py reads and checks the drafter, and re-loads an
+export as the engines read it (`hstap export --check`); formats.py holds what each engine's loader expects.
 """

@@ -1,4 +1,5 @@
-"""`hstap export --drafter DIR --format sglang|vllm --out DIR`: flags → ExportConfig → export_drafter."""
+"""`hstap export --drafter DIR --format sglang|vllm --out DIR`: flags → ExportConfig → export_drafter;
+`hstap export --drafter DIR --out DIR --check [--store DIR]`: check_export."""
 
 from __future__ import annotations
 
@@ -21,13 +22,22 @@ def add_arguments(parser) -> None:
 
 
 def run(cfg: ExportConfig) -> int:
+    if cfg.check:
+        from hstap.export.check import check_export
+
+        done = check_export(cfg.out, cfg.drafter, cfg.store)
+        against = f" and store {cfg.store}" if cfg.store else ""
+        print(f"export {cfg.out} matches drafter {cfg.drafter}{against}: layer ids {done['layer_ids']} as SGLang "
+              f"and vLLM read them, config, {done['tensors']} tensors, d2t/t2d")
+        return 0
     from hstap.export.write import export_drafter
 
     out = export_drafter(cfg.drafter, cfg.format, cfg.out, dtype=cfg.dtype, include_embedding=cfg.with_embedding,
                          force=cfg.force)
     ids = json.loads((out / "hstap.json").read_text())
-    print(f"exported {cfg.drafter} as {cfg.format} ({cfg.dtype}) to {out}")
+    print(f"exported {cfg.drafter} as {cfg.format} ({cfg.dtype}) to {out}, checked against the drafter")
     print(f"  layer ids: canonical {ids['aux_layer_ids']} = SGLang {ids['engine_layer_ids']['sglang']} "
           f"= vLLM {ids['engine_layer_ids']['vllm']}")
     print(f"  serve: {_SERVE_HINTS[cfg.format].format(out=out)}")
+    print(f"  check again any time: hstap export --drafter {cfg.drafter} --out {out} --check")
     return 0

@@ -95,7 +95,7 @@ def vllm_layer_ids(canonical: list[int], num_layers: int) -> list[int]:
 
 # ---- formats -----------------------------------------------------------------------------------------------------
 
-def _config(cfg: DrafterConfig, dtype: str) -> dict:
+def draft_config(cfg: DrafterConfig, dtype: str) -> dict:
     """The Llama-shaped draft config both loaders build their model from (transformers `LlamaConfig` keys)."""
     canonical = cfg.aux_layer_ids
     return {
@@ -130,7 +130,7 @@ def _config(cfg: DrafterConfig, dtype: str) -> dict:
     }
 
 
-def _tensors(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+def draft_tensors(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
              include_embedding: bool) -> dict[str, torch.Tensor]:
     """The run's tensors, floats cast to the export dtype; d2t stays int64, t2d bool."""
     out = {}
@@ -148,7 +148,7 @@ def _tensors(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: torch.dt
 def _export(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str, include_embedding: bool,
             layer_ids: Callable[[list[int], int], list[int]]) -> tuple[dict, dict[str, torch.Tensor]]:
     layer_ids(cfg.aux_layer_ids, cfg.target_num_layers)  # refuses ids this engine cannot capture
-    return _config(cfg, dtype), _tensors(cfg, state, torch_dtype(dtype), include_embedding)
+    return draft_config(cfg, dtype), draft_tensors(cfg, state, torch_dtype(dtype), include_embedding)
 
 
 def export_sglang(cfg: DrafterConfig, state: dict[str, torch.Tensor], dtype: str = "bf16",

@@ -8,7 +8,9 @@
     export_drafter("runs/drafter", "vllm", "runs/drafter-vllm")   # -> Path of the written directory
 
 The output directory holds `config.json` (the engine's), `model.safetensors` and `hstap.json` (provenance: the
-canonical layer ids, the target's id and fingerprint). It appears whole or not at all (written beside, renamed).
+canonical layer ids, the target's id and fingerprint). It appears whole or not at all (written beside, renamed),
+and only once it reads back as the drafter it came from (hstap.export.check: layer ids as each engine derives
+them, config keys, every tensor bit for bit, d2t/t2d, provenance).
 """
 
 from __future__ import annotations
@@ -21,49 +23,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hstap.drafter.config import DrafterConfig
 from hstap.errors import HstapError
 from hstap.config import Dtype
-from hstap.export.formats import CHECKED_VERSIONS, EMBEDDING, expected_shapes, get_format
-
-
-def read_drafter(drafter_dir: Path | str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """A training run directory's config and tensors, checked against the shapes the config implies."""
-    run = Path(drafter_dir)
-    if not run.is_dir():
-        raise HstapError(f"{run}: no such drafter directory (expected a run directory written by `hstap train`)")
-    cfg = DrafterConfig.load(run / "config.json")
-    weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise HstapError(f"{weights}: missing (a drafter directory holds config.json and model.safetensors)")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise HstapError(f"{weights}: not readable as safetensors ({exc})") from None
-    _check_state(cfg, state, weights)
-    return cfg, state
-
-
-def _check_state(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: Path) -> None:
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(state))
-    unknown = sorted(set(state) - set(shapes) - {EMBEDDING})
-    if missing or unknown:
-        raise HstapError(f"{where}: not the drafter its config.json describes "
-                         f"(missing {missing or 'none'}, unexpected {unknown or 'none'})")
-    for name, shape in shapes.items():
-        if tuple(state[name].shape) != shape:
-            raise HstapError(f"{where}: {name} has shape {tuple(state[name].shape)}, config.json implies {shape}")
-    if state["d2t"].dtype != torch.int64 or state["t2d"].dtype != torch.bool:
-        raise HstapError(f"{where}: d2t must be int64 and t2d bool (got {state['d2t'].dtype}, {state['t2d'].dtype})")
-    targets = state["d2t"] + torch.arange(cfg.draft_vocab_size)  # d2t holds offsets: target = draft + d2t[draft]
-    in_range = bool(((targets >= 0) & (targets < cfg.vocab_size)).all())
-    if not in_range or not bool((targets[1:] > targets[:-1]).all()) or not bool(state["t2d"][targets].all()) \
-            or int(state["t2d"].sum()) != cfg.draft_vocab_size:
-        raise HstapError(f"{where}: d2t/t2d do not describe one draft vocabulary of {cfg.draft_vocab_size} "
-                         "distinct target ids (rebuild it with hstap.drafter.build_draft_vocab)")
+from hstap.export.check import problems, read_drafter
+from hstap.export.formats import CHECKED_VERSIONS, EMBEDDING, get_format
+from hstap.preflight import check_out_dir
 
 
 def _provenance(cfg: DrafterConfig, fmt: str, dtype: str, config: dict, drafter_dir: Path,
@@ -89,21 +56,28 @@ def _provenance(cfg: DrafterConfig, fmt: str, dtype: str, config: dict, drafter_
 def _prepare_out(out: Path, drafter_dir: Path, force: bool) -> None:
     if out.resolve() == drafter_dir.resolve():
         raise HstapError(f"--out {out} is the drafter directory itself: choose another directory")
-    if out.exists() and not out.is_dir():
-        raise HstapError(f"--out {out} exists and is not a directory")
+    check_out_dir(out)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HstapError(f"--out {out} exists and is not empty: choose another directory or pass --force")
+    check_out_dir(out.parent, flag=f"--out {out}: its parent")  # the export is written beside it, then renamed
+
+
+def _write_atomic(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict,
+                  drafter: tuple[DrafterConfig, dict[str, torch.Tensor]]) -> None:
+    """Write into a sibling temp directory, check it reads back as `drafter`, then rename it into place (the old
+    one moved aside first). A failure (a full disk, a failed check) leaves `out` as it was and no temp behind."""
+    from hstap.export.check import problems
+
     out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _write_atomic(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict) -> None:
-    """Write into a sibling temp directory, then rename it into place (the old one moved aside first)."""
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     old = None
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "hstap.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        found = problems(tmp, *drafter)
+        if found:
+            raise HstapError(f"the export does not read back as the drafter, nothing written to {out}: {found[0]}")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
@@ -139,10 +113,16 @@ def export_drafter(drafter_dir: Path | str, fmt: str, out_dir: Path | str, dtype
     if dtype not in ("bf16", "fp16", "fp32"):
         raise HstapError(f"unknown export dtype {dtype!r}: expected one of bf16, fp16, fp32")
     drafter_dir, out = Path(drafter_dir), Path(out_dir)
+    _prepare_out(out, drafter_dir, force)  # before reading the weights: a bad --out fails at once
     cfg, state = read_drafter(drafter_dir)
     if include_embedding and EMBEDDING not in state:
         raise HstapError(f"{drafter_dir}/model.safetensors has no {EMBEDDING}: export without --with-embedding")
     config, tensors = build(cfg, state, dtype=dtype, include_embedding=include_embedding)
-    _prepare_out(out, drafter_dir, force)
-    _write_atomic(out, config, tensors, _provenance(cfg, fmt, dtype, config, drafter_dir, include_embedding))
+    try:
+        _write_atomic(out, config, tensors, _provenance(cfg, fmt, dtype, config, drafter_dir, include_embedding),
+                      (cfg, state))
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise HstapError(f"--out {out}: {why} while writing the export; nothing was written (an earlier "
+                         f"{out.name} is left as it was)") from None
     return out

@@ -192,10 +192,10 @@ def _quiet_transformers() -> None:
 
 def load_tokenizer(model: str):
     """The target's tokenizer alone (no weights): enough for rendering and loss masks."""
+    path, _ = resolve_model_dir(model)  # a wrong --model is named before transformers is imported
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    path, _ = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -209,14 +209,20 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype | None = Non
     `tensor_parallel`: under torchrun, split it over the ranks with transformers' own plan (`tp_plan="auto"`:
     attention heads and MLP columns; the residual stream and the logits come out whole on every rank)."""
     import torch
+
+    from hstap.faults import fault_point
+    from hstap.preflight import check_device
+
+    check_device(device)  # before the weights load: a missing GPU is a one-line error, not a CUDA traceback
+    path, model_id = resolve_model_dir(model)  # and a wrong --model, before transformers is even imported
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    path, model_id = resolve_model_dir(model)
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if tensor_parallel:
         net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
     else:
         net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    fault_point("model-load")  # HSTAP_FAULT=model-load: killed while the target loads
     return Target(model=net, tokenizer=load_tokenizer(model), model_id=model_id, fingerprint=fingerprint_dir(path))

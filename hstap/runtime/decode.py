@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from hstap.faults import fault_point
 from hstap.runtime.target import positions_from_mask
 
 
@@ -137,6 +138,7 @@ def decode(stepper: Stepper, requests: list[Request], pad_id: int, stop_ids: lis
         if t + 1 == steps or ((t + 1) % sync_every == 0 and bool(done.all())):
             break
         logits = stepper.step(tokens)
+        fault_point("decode-step")  # HSTAP_FAULT=decode-step:N: killed mid-batch (synth loses only this batch)
     return _finish(out.cpu().tolist(), requests, set(stop_ids))
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP
-from hstap.config import StoreDtype, option
+from hstap.config import Device, StoreDtype, option
 
 
 class ServeConfig(BaseModel):
@@ -62,7 +62,7 @@ class HfServerConfig(BaseModel):
     name: str | None = option(None, "model id to serve as (default: the target's model id)")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", gt=0, lt=65536)
-    device: str = option("cpu", "cpu | cuda | cuda:N")
+    device: Device = option("cpu", "cpu | cuda | cuda:N")
     max_batch: int = option(8, "requests decoded together", ge=1)
     capture_layers: str | None = option(None, f"{LAYERS_HELP}; 'auto' when only --capture-dir is given")
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")

@@ -27,7 +27,17 @@ class TurnSampling:
 
 
 class RequestFailed(Exception):
-    """A request that could not be answered (after every retry); the record goes to `.failed.jsonl`."""
+    """A request that could not be answered (after every retry); the record goes to `.failed.jsonl`, and a re-run
+    of the same command retries it."""
+
+
+class PermanentFailure(RequestFailed):
+    """A request that can never succeed as asked (`reason`: `over_model_positions`, `rejected_by_server`): listed
+    in `.failed.jsonl` with `"retry": false` and reported apart, so nobody re-runs hoping it will pass."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Backend(Protocol):

@@ -15,4 +15,4 @@ def run(cfg: SynthConfig) -> int:
 
     result = run_synth(cfg)
     print(result.summary())
-    return 1 if result.failed else 0
+    return 1 if result.failed else 0  # permanent failures are reported, and a re-run would not fix them

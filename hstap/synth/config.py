@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from hstap.config import option
+from hstap.config import Device, option
 
 
 class SynthConfig(BaseModel):
@@ -35,7 +35,7 @@ class SynthConfig(BaseModel):
                                            "batches)", ge=1)
     seed: int = option(0, "sampling seed (per conversation and turn)")
     drop_truncated: bool = option(False, "drop answers cut at --max-new-tokens")
-    device: str = option("cpu", "embedded: cpu | cuda | cuda:N")
+    device: Device = option("cpu", "embedded: cpu | cuda | cuda:N")
     batch_size: int = option(16, "embedded: rows per decode batch", ge=1)
     cuda_graphs: bool | None = option(None, "embedded: replay the decode step as a CUDA graph (default: on CUDA)")
     compile_step: bool = option(False, "embedded on a GPU: torch.compile the decode step (faster; ~1 min of "

@@ -29,9 +29,14 @@ class EmbeddedBackend:
         import asyncio
 
         from hstap.data import render_prompt
-        from hstap.synth.backend import Completion, RequestFailed
+        from hstap.synth.backend import Completion, PermanentFailure, RequestFailed
 
         prompt = render_prompt(messages, self.target.tokenizer)
+        limit = self.engine.max_len
+        if len(prompt) + sampling.max_new_tokens > limit:  # the same request fails the same way every time
+            fits = f"; --max-new-tokens {limit - len(prompt)} would fit" if len(prompt) < limit else ""
+            raise PermanentFailure(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} "
+                                   f"exceeds the model's {limit} positions{fits}", reason="over_model_positions")
         request = Request(prompt=prompt, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, seed=sampling.seed)
         try:

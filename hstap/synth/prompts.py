@@ -127,6 +127,9 @@ def build_prompts(cfg: PromptsConfig, target=None, progress: bool = True) -> Pro
     """Fill `cfg.out` up to each source's quota; returns the counts (also in the provenance file).
 
     `target`: an already loaded `hstap.models.Target` for Magpie instead of loading `cfg.model`."""
+    from hstap.preflight import check_out_file
+
+    check_out_file(cfg.out)  # a directory or a read-only place is named before anything is read or loaded
     start = time.perf_counter()
     path = cfg.provenance_path()
     previous = provenance.read(path)

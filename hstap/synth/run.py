@@ -18,7 +18,7 @@ import hashlib
 import json
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,7 +26,8 @@ from tqdm import tqdm
 from hstap.data import Conversation, SkipReport, open_source
 from hstap.errors import HstapError
 from hstap.metrics import tokens_per_second
-from hstap.synth.backend import Backend, RequestFailed, TurnSampling
+from hstap.preflight import check_device, check_out_file
+from hstap.synth.backend import Backend, PermanentFailure, RequestFailed, TurnSampling
 from hstap.synth.config import SynthConfig
 from hstap.synth.writer import SynthWriter, failed_path
 
@@ -42,6 +43,7 @@ class SynthResult:
     seconds: float
     report: SkipReport
     partial_bytes_removed: int
+    permanent: dict[str, int] = field(default_factory=dict)  # failures a re-run cannot fix, by reason
 
     def summary(self) -> str:
         rate = tokens_per_second(self.completion_tokens, self.seconds)
@@ -54,6 +56,9 @@ class SynthResult:
             f"dropped: {self.report.summary()}",
             f"failed {self.failed}: see {failed_path(self.out)}; re-run the same command to retry them"
             if self.failed else "",
+            f"not retried {sum(self.permanent.values())}: they can never succeed as asked ("
+            + ", ".join(f"{k}={v}" for k, v in sorted(self.permanent.items()))
+            + f"): see {failed_path(self.out)} (\"retry\": false)" if self.permanent else "",
         ]
         return "\n".join(line for line in lines if line)
 
@@ -93,6 +98,8 @@ async def answer(conv: Conversation, backend: Backend, cfg: SynthConfig) -> tupl
                                 seed=turn_seed(cfg.seed, conv.id, len(turns)))
         try:
             done = await backend.complete(messages, sampling)
+        except PermanentFailure as exc:
+            raise PermanentFailure(f"turn {len(turns)}: {exc}", exc.reason) from None
         except RequestFailed as exc:
             raise RequestFailed(f"turn {len(turns)}: {exc}") from None
         if not done.content.strip():
@@ -142,6 +149,8 @@ async def synthesize(todo: list[Conversation], backend: Backend, writer: SynthWr
         for conv in pending:  # shared iterator: each conversation is taken by exactly one worker
             try:
                 record, reason = await answer(conv, backend, cfg)
+            except PermanentFailure as exc:
+                writer.fail(conv.id, str(exc), permanent=exc.reason, source=conv.source)
             except RequestFailed as exc:
                 writer.fail(conv.id, str(exc), source=conv.source)
             else:
@@ -172,6 +181,9 @@ def run_synth(cfg: SynthConfig, progress: bool = True, target=None) -> SynthResu
 
     `target`: an already loaded `hstap.models.Target` to use instead of loading `cfg.model` (embedded only).
     """
+    check_out_file(cfg.out)  # before the source is read and the model loads: a bad --out fails at once
+    if cfg.backend == "embedded" and target is None:
+        check_device(cfg.device)
     report = SkipReport()
     convs = list(open_source(cfg.data, limit=cfg.limit, report=report))
     if not convs:
@@ -187,7 +199,8 @@ def run_synth(cfg: SynthConfig, progress: bool = True, target=None) -> SynthResu
         seconds = time.perf_counter() - start
     return SynthResult(out=cfg.out, written=written, resumed=resumed, failed=writer.failed,
                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, seconds=seconds,
-                       report=report, partial_bytes_removed=writer.partial_bytes_removed)
+                       report=report, partial_bytes_removed=writer.partial_bytes_removed,
+                       permanent=dict(writer.permanent))
 
 
 async def _run_backend(cfg: SynthConfig, todo: list[Conversation], writer: SynthWriter, report: SkipReport,

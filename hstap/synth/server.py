@@ -4,7 +4,8 @@
         completion = await backend.complete(messages, TurnSampling(512, 0.0, 1.0, seed=7))
 
 Requests go round-robin over the servers; a retry goes to the next one. Connection errors, timeouts, 429 and
-5xx answers are retried with exponential backoff (with jitter); other 4xx answers fail the request at once.
+5xx answers are retried with exponential backoff (with jitter); other 4xx answers fail the request at once, and
+400/413/422 (the request itself is refused, e.g. longer than the model's context) as a permanent failure.
 On entry every server's `/v1/models` must list the expected model (by default the first server's first
 model), and every answer must name it: a server serving another model stops the run with a one-line error.
 """
@@ -18,9 +19,10 @@ from types import TracebackType
 import httpx
 
 from hstap.errors import HstapError
-from hstap.synth.backend import Completion, RequestFailed, TurnSampling
+from hstap.synth.backend import Completion, PermanentFailure, RequestFailed, TurnSampling
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+REJECTED_STATUS = frozenset({400, 413, 422})  # this very request is malformed or too long: it will fail again
 
 
 class ModelMismatch(HstapError):
@@ -106,6 +108,8 @@ class ServerBackend:
             if resp.status_code in RETRY_STATUS:
                 last = f"{url}: HTTP {resp.status_code} {resp.text[:200]}"
                 continue
+            if resp.status_code in REJECTED_STATUS:
+                raise PermanentFailure(f"{url}: HTTP {resp.status_code} {resp.text[:200]}", "rejected_by_server")
             if resp.status_code != 200:
                 raise RequestFailed(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
             return self._parse(url, resp)

@@ -1,6 +1,9 @@
 """Checkpoints that resume exactly: drafter weights, optimizer, scheduler, RNG and the position in the data plan.
 
-Written atomically (temp dir + rename) by rank 0; every rank reads the same files on resume.
+Written atomically (temp dir + rename) by rank 0; every rank reads the same files on resume. A checkpoint also
+records how much of metrics.jsonl it covers: a resumed run cuts the file back there (records of the steps it
+replays would otherwise appear twice). A write that fails (a full disk) removes its temp directory, keeps the
+previous checkpoint, and stops the run with a one-line error on every rank.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ import json
 import os
 import random
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from hstap.data.appender import append_line
 from hstap.errors import HstapError
 from hstap.faults import fault_point
 
@@ -42,9 +47,14 @@ class MetricsLog:
         self.tb = TensorBoardLog(tensorboard, purge_step) if enabled and tensorboard is not None else None
 
     def write(self, record: dict) -> None:
+        """Append one record as one line (or, on a full disk, leave the file whole and raise HstapError)."""
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                append_line(fd, (json.dumps(record) + "\n").encode("utf-8"), self.path,
+                            "the records before it are whole and kept; the checkpoint is unchanged")
+            finally:
+                os.close(fd)
             if self.tb is not None:
                 self.tb.write(record)
 
@@ -59,37 +69,101 @@ class MetricsLog:
 
 
 def save(out: Path, drafter, optimizer, scheduler, state: State, dist) -> None:
-    if dist.rank != 0:
-        dist.barrier()
-        return
-    final = Path(out) / CKPT
-    tmp = Path(out) / f".{CKPT}.tmp"
+    """Write the checkpoint of `state.step` (rank 0) and rename it into place; every rank returns together, or
+    every rank raises HstapError when rank 0 could not write it (the previous checkpoint stays)."""
+    error = None
+    if dist.rank == 0:
+        try:
+            _write(Path(out), drafter, optimizer, scheduler, state)
+        except (OSError, RuntimeError) as exc:
+            error = os_error(exc)
+            if error is None:
+                raise
+    if dist.agree_max(float(error is not None)):  # every rank learns it: none waits forever in a barrier
+        kept = read_meta(Path(out))
+        earlier = f"the checkpoint of step {kept['step']} is kept" if kept else \
+            "the earlier checkpoint is kept" if exists(Path(out)) else None
+        then = "run the same command with --resume" if earlier else "start again with --overwrite"
+        why = (error.strerror or str(error)) if error is not None else "rank 0 could not write it"
+        raise HstapError(f"{Path(out) / CKPT}: {why} while writing the checkpoint of step {state.step}; "
+                         f"{earlier or 'there is no earlier checkpoint'}: free space, then {then}")
+
+
+def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
+    final, tmp = out / CKPT, out / f".{CKPT}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({
-        "drafter": drafter.trainable_state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "state": asdict(state),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-    }, tmp / "trainer.pt")
+    try:
+        tmp.mkdir(parents=True)
+        fault_point("checkpoint-write")  # HSTAP_FAULT=checkpoint-write:N:enospc: the disk is full at the N-th
+        with open(tmp / "trainer.pt", "wb") as f:  # through a file object: a full disk shows as OSError (os_error)
+            torch.save({
+                "drafter": drafter.trainable_state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "state": asdict(state),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            }, f)
+        # metrics written after this checkpoint are replayed by the resumed run: remember where to cut
+        meta = {"step": state.step, "metrics_bytes": _synced_size(out / "metrics.jsonl")}
+        (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise
     fault_point("checkpoint-written")  # HSTAP_FAULT: a crash between writing and renaming into place
-    old = Path(out) / f".{CKPT}.old"
+    old = out / f".{CKPT}.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
-    # metrics written after this checkpoint are replayed by the resumed run: remember where to cut
-    metrics = Path(out) / "metrics.jsonl"
-    (final / "metrics_bytes").write_text(str(metrics.stat().st_size if metrics.exists() else 0))
-    dist.barrier()
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: torch.save reports a full disk as RuntimeError("unexpected pos …") raised while
+    closing the archive, the write's OSError(ENOSPC) in its context (when writing through a file object)."""
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _synced_size(path: Path) -> int:
+    """Size of `path` once its bytes are on disk: a power loss cannot leave it shorter than a checkpoint says."""
+    if not path.exists():
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_meta(out: Path) -> dict | None:
+    """`{"step", "metrics_bytes"}` of the checkpoint in `out`, or None when there is none."""
+    path = Path(out) / CKPT / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def exists(out: Path) -> bool:
+    """Whether `out` holds a checkpoint, after putting one back in place if a kill fell between the two renames
+    of `_write` (the old one moved aside, the new one not yet in place): the new one when it was written whole
+    (its meta.json comes last), else the old one."""
+    out = Path(out)
+    final, tmp, old = out / CKPT, out / f".{CKPT}.tmp", out / f".{CKPT}.old"
+    if not final.exists() and old.exists():
+        os.replace(tmp if (tmp / "meta.json").is_file() else old, final)
+    return (final / "trainer.pt").is_file()
 
 
 def load(out: Path, drafter, optimizer, scheduler) -> State:
     path = Path(out) / CKPT / "trainer.pt"
-    if not path.exists():
+    if not exists(out):
         raise HstapError(f"--resume: no checkpoint at {path}; run without --resume to start fresh")
     blob = torch.load(path, map_location="cpu", weights_only=False)
     missing, unexpected = drafter.load_state_dict(blob["drafter"], strict=False)
@@ -101,13 +175,44 @@ def load(out: Path, drafter, optimizer, scheduler) -> State:
     random.setstate(blob["rng"]["python"])
     if blob["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["rng"]["cuda"])
-    cut = Path(out) / CKPT / "metrics_bytes"
-    metrics = Path(out) / "metrics.jsonl"
-    if cut.exists() and metrics.exists():
-        with open(metrics, "r+") as f:
-            f.truncate(int(cut.read_text()))
     known = set(State.__dataclass_fields__)
     if set(blob["state"]) - known:
         raise HstapError(f"{path}: checkpoint written by an older hstap (state fields {sorted(blob['state'])}); "
                          f"it cannot be resumed: start the run again without --resume")
-    return State(**blob["state"])
+    state = State(**blob["state"])
+    cut = Path(out) / CKPT / "metrics_bytes"  # checkpoints written before meta.json
+    meta = read_meta(out) or ({"metrics_bytes": int(cut.read_text())} if cut.exists() else {})
+    cut_metrics(Path(out) / "metrics.jsonl", meta.get("metrics_bytes"), state.step)
+    return state
+
+
+def cut_metrics(path: Path, size: int | None, step: int) -> None:
+    """Cut metrics.jsonl back to what the checkpoint of `step` covered: its first `size` bytes when they end a
+    line, else (a file shortened, rewritten, or padded with NUL bytes by hstap before 2026-12) its whole records
+    up to `step`, said on stderr. Never extends the file."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if size is not None and size <= len(data) and (size == 0 or data[size - 1:size] == b"\n"):
+        keep = data[:size]
+    else:
+        lines = [line.lstrip(b"\0") for line in data.splitlines(keepends=True)]
+        steps = [_step_of(line) for line in lines]
+        kept = [line.rstrip(b"\r\n") + b"\n" for line, k in zip(lines, steps) if k is not None and k <= step]
+        keep = b"".join(kept)
+        print(f"hstap train: {path} did not match its checkpoint (step {step}, {size} bytes; the file has "
+              f"{len(data)}): kept its {len(kept)} whole records up to step {step}, dropped "
+              f"{sum(1 for line in lines if line.strip()) - len(kept)} lines", file=sys.stderr, flush=True)
+    if keep != data:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(keep)
+        os.replace(tmp, path)
+
+
+def _step_of(line: bytes) -> int | None:
+    """The `step` of one metrics line, or None when it is not a whole JSON record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step") if isinstance(record, dict) and isinstance(record.get("step"), int) else None

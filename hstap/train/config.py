@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP, layers_text
-from hstap.config import option, parse_duration
+from hstap.config import Device, option, parse_duration
 
 # (GPU, CPU) values of the sizes left unset
 DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512),
@@ -54,8 +54,10 @@ class TrainConfig(BaseModel):
                                            "on a CPU)", ge=1)
     heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
     seed: int = option(0, "seed of the split, the batch order and the initial weights")
-    device: str = option("cpu", "cpu | cuda | cuda:N")
-    checkpoint_every: int = option(200, "steps between checkpoints", ge=1)
+    device: Device = option("cpu", "cpu | cuda | cuda:N")
+    checkpoint_every: int | None = option(None, "also checkpoint every N optimizer steps", ge=1)
+    checkpoint_interval_s: float = option(300.0, "checkpoint at least this often (and always at the end): 90s, 5m",
+                                          flag="--checkpoint-interval", metavar="DURATION", gt=0)
     max_steps: int | None = option(None, "stop after this many optimizer steps", ge=1)
     time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
                                          flag="--time-budget", metavar="DURATION", gt=0)
@@ -63,6 +65,8 @@ class TrainConfig(BaseModel):
     init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
                                     "dir of the same target and layers; fresh optimizer and schedule)",
                                     metavar="DIR")
+    overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
+                                    "are deleted first")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
                                    "trains on this one")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "
@@ -72,7 +76,7 @@ class TrainConfig(BaseModel):
     calib_chain: int = option(3, "chain length the calibration drafts (capped at --ttt-steps)", ge=1)
 
     _layers_text = field_validator("layers", mode="before")(layers_text)
-    _duration = field_validator("time_budget_s", mode="before")(parse_duration)
+    _duration = field_validator("time_budget_s", "checkpoint_interval_s", mode="before")(parse_duration)
 
     def sized_for_device(self) -> "TrainConfig":
         """A copy with every size left unset filled in for the device (GPU recipe or CPU-sized)."""

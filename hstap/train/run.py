@@ -27,7 +27,7 @@ from hstap.config import TeacherSpec
 from hstap.errors import HstapError
 from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
-from hstap.train import checkpoint, distributed
+from hstap.train import checkpoint, distributed, rundir
 from hstap.train.config import TrainConfig
 from hstap.train.calibrate import calibrate, calibration_prompts
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
@@ -208,12 +208,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     from hstap.models import load_target
 
     cfg = cfg.sized_for_device()
+    rundir.preflight(cfg)  # no model, no process group yet: bad flags and a run directory in use fail at once
     dist = distributed.setup(cfg.device)
     device = dist.device
-    if cfg.online and cfg.store is not None:
-        raise HstapError("pass either --store DIR (offline) or --online, not both")
-    if not cfg.online and cfg.store is None:
-        raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
     # the target sits on the device when it prefills (online) or decodes the calibration prompts (rank 0)
     on_device = cfg.online or (cfg.calib_prompts > 0 and cfg.heldout > 0 and dist.rank == 0)
     target = load_target(cfg.model, device=str(device) if on_device else "cpu")
@@ -251,6 +248,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                              f"(ranks × --grad-accum), this run takes {batches_per_step} ({dist.world_size} × "
                              f"{cfg.grad_accum}): set --grad-accum so the global batch is the same")
     elif dist.rank == 0:
+        if cfg.overwrite:
+            rundir.clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
         drafter.config.save(out / "config.json")
@@ -291,6 +290,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps,
                    "probe_steps": sum(probe_sizes(len(mine)))})
     last_eval = initial
+    due = rundir.CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_interval_s)
     steps_from = time.perf_counter()  # the early estimate times training steps only (not the budget probe)
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
@@ -314,8 +314,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.update(1)
             if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
                 _say_how_long(cfg, time.perf_counter() - steps_from, ETA_AFTER_STEPS, total_steps - state.step)
-            if state.step % cfg.checkpoint_every == 0:
+            if dist.agree_max(float(due.due(state.step))):  # ranks' clocks differ: any rank due, all save
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
+                due.saved()
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
         if state.step_in_epoch >= len(plan) // batches_per_step:
             state.epoch += 1
@@ -329,13 +330,27 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log_eval(last_eval)
     log.close()
     checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
-    if dist.rank == 0:
-        drafter.save_pretrained(out)
-        from hstap.train.plots import plot_metrics
-
-        plot_metrics(out / "metrics.jsonl", out)
-    dist.barrier()
+    error = _save_final(drafter, out, state.step) if dist.rank == 0 else None
+    if dist.agree_max(float(error is not None)):  # also the barrier: no rank waits on a rank 0 that failed
+        raise HstapError(error or "rank 0 could not write the trained drafter")
     return TrainResult(out, state.step, state.train_tokens, time.perf_counter() - start, last_eval, initial, drafter)
+
+
+def _save_final(drafter: Eagle3Drafter, out: Path, step: int) -> str | None:
+    """Write the drafter's weights and the plots; on a full disk, the one-line error to raise on every rank (the
+    final checkpoint is in place: `--resume` writes them again without training)."""
+    from hstap.train.plots import plot_metrics
+
+    from safetensors import SafetensorError
+
+    try:
+        drafter.save_pretrained(out)
+        plot_metrics(out / "metrics.jsonl", out)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        why = getattr(exc, "strerror", None) or str(exc)
+        return (f"{out}: {why} while writing the trained drafter; the checkpoint of step {step} is in place: free "
+                "space, then run the same command with --resume")
+    return None
 
 
 ETA_AFTER_STEPS = 3  # steps timed before the run says how long it will take
@@ -382,6 +397,7 @@ def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batch
             with autocast:
                 loss, stats, _, _ = model(*batch_tensors(batch))
             (loss / len(batches)).backward()
+        fault_point("train-batch")  # HSTAP_FAULT=train-batch:N: killed mid-step (gradients made, not applied)
         losses.append(loss.detach())
         step_losses.append(stats[0])
         tokens += sum(source.lengths[j] for j in indices)  # = batch.num_tokens, without a device sync

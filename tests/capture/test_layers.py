@@ -22,3 +22,21 @@ def test_explicit_ids():
 def test_bad_ids_are_clear_errors(spec, needle):
     with pytest.raises(HstapError, match=needle):
         parse_layers(spec, 30)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(ids=st.lists(st.integers(-3, 70), max_size=5), num_layers=st.integers(5, 64))
+def test_any_layer_ids_are_canonical_or_one_line(ids, num_layers):
+    """Out of range, duplicate, unsorted, empty: refused in one line naming --layers; otherwise returned as given."""
+    spec = ",".join(map(str, ids))
+    valid = bool(ids) and all(0 <= k < num_layers for k in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+    try:
+        got = parse_layers(spec, num_layers)
+    except HstapError as exc:
+        assert not valid and str(exc).startswith("--layers") and "\n" not in str(exc)
+    else:
+        assert valid and got == ids

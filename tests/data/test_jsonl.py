@@ -115,3 +115,55 @@ def test_open_source_sharegpt_all_recovers_continuations():
     convs = list(open_source("sharegpt-all", limit=40, report=report))
     assert len(convs) == 40 and "first_not_user" not in report.counts
     assert report.counts.get("recovered_continuation", 0) == sum(bool(c.meta) for c in convs) > 0
+
+
+# ---- property-based: whatever a line holds, a record is yielded, counted as a skip, or named in one line --------
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hstap.data.checks import message_problem  # noqa: E402
+
+ANY_TEXT = st.text(st.characters(blacklist_categories=()), max_size=12)  # lone surrogates included
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "", "USER"]),
+                                 "content": st.one_of(st.just("hi"), ANY_TEXT, st.just("   "), st.just("x\ud800"))})
+RECORD = st.fixed_dictionaries({"id": st.sampled_from(["a", "b", "c", "d"]) | ANY_TEXT.filter(bool),
+                                "messages": st.lists(MESSAGE, max_size=4)})
+# derandomize: the same examples every run (a deterministic suite); no example database written into the repo
+PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@PROPERTY
+@given(records=st.lists(RECORD, max_size=6))
+@example(records=[{"id": "s", "messages": [{"role": "user", "content": "x\ud800"}]}])  # a lone surrogate
+def test_every_well_formed_record_is_yielded_or_counted(tmp_path, records):
+    """Records in the right shape with any roles, empty or missing turns, repeated ids, lone surrogates: each one
+    is yielded (valid, writable as UTF-8) or counted by reason — never an exception, never lost."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))  # ensure_ascii: surrogates as \ud800 escapes
+    report = SkipReport()
+    convs = list(iter_jsonl(path, report))
+    assert len(convs) + report.total == len(records)
+    for conv in convs:
+        assert message_problem(conv.messages) is None
+        json.dumps(conv.messages, ensure_ascii=False).encode("utf-8")  # the synth output line can be written
+
+
+@PROPERTY
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")) |
+                      st.sampled_from([b'{"id": "x", "messages": [{"role": "user", "content": "hi"}]}', b"",
+                                       b"[1, 2]", b'{"id": 3}', b"\xef\xbb\xbf{}", b'{"id": "y"']), max_size=5))
+def test_any_bytes_give_records_or_one_line_naming_path_and_line(tmp_path, lines):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    report = SkipReport()
+    try:
+        convs = list(iter_jsonl(path, report))
+    except HstapError as exc:
+        assert str(exc).startswith(f"{path}:") and "\n" not in str(exc)
+        lineno = int(str(exc)[len(str(path)) + 1:].split(":")[0])
+        assert 1 <= lineno <= len(lines) and lines[lineno - 1].strip()
+    else:
+        text = [line.decode("utf-8-sig" if k == 0 else "utf-8") for k, line in enumerate(lines)]
+        assert len(convs) + report.total == sum(1 for line in text if line.strip())

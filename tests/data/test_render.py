@@ -73,7 +73,7 @@ def test_render_prompt_is_prefix_of_rendered_sample(convs, samples, tokenizer):
                 assert render_prompt(conv.messages[:i], tokenizer) == s.input_ids[:start], (conv.id, i)
 
 
-def test_truncate_skip_and_no_assistant_tokens(convs, samples, tokenizer):
+def test_truncate_skip_and_prompt_over_max_tokens(convs, samples, tokenizer):
     conv, full = convs[0], samples[0]
     first_masked = full.loss_mask.index(True)
     report = SkipReport()
@@ -82,12 +82,12 @@ def test_truncate_skip_and_no_assistant_tokens(convs, samples, tokenizer):
     assert render(conv, tokenizer, max_tokens=first_masked + 3, overlong="skip", report=report) is None
     assert render(conv, tokenizer, max_tokens=first_masked, report=report) is None
     assert render(conv, tokenizer, max_tokens=len(full.input_ids), overlong="skip", report=report) == full
-    assert report.counts == {"truncated": 1, "too_long": 1, "no_assistant_tokens": 1}
+    assert report.counts == {"truncated": 1, "too_long": 1, "prompt_over_max_tokens": 1}
 
 
 def test_mtbench_prompt_all_false_and_generation_header(tokenizer):
     q = load_mtbench()[0]
-    s = render(q, tokenizer, max_tokens=8)  # truncating a prompt with no answers is not "no_assistant_tokens"
+    s = render(q, tokenizer, max_tokens=8)  # a prompt with no answers is just truncated
     assert isinstance(s, RenderedSample) and len(s.input_ids) == 8 and not any(s.loss_mask)
     s = render(q, tokenizer)
     assert not any(s.loss_mask)
@@ -143,3 +143,13 @@ def test_bad_overlong_value_raises(tokenizer):
     conv = Conversation("x", [{"role": "user", "content": "q"}], "t")
     with pytest.raises(HstapError, match="overlong must be 'truncate' or 'skip'"):
         render(conv, tokenizer, overlong="drop")
+
+
+def test_a_1mb_question_is_dropped_as_prompt_over_max_tokens_not_no_answer(tokenizer):
+    """Issue 13: a 1 MB user message used to be counted as `no_assistant_tokens` — as if the data had no answers.
+    Its answer starts past --max-tokens: that is what the count now says."""
+    big = ("The quick brown fox jumps over the lazy dog. " * 23500)[:2**20]
+    conv = Conversation("big", [{"role": "user", "content": big}, {"role": "assistant", "content": "Done."}], "x")
+    report = SkipReport()
+    assert render(conv, tokenizer, max_tokens=2048, report=report) is None
+    assert report.counts == {"prompt_over_max_tokens": 1}

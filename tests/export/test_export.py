@@ -289,10 +289,109 @@ def test_existing_output_needs_force_and_is_replaced_whole(run_dir, tmp_path, mo
         raise OSError("disk full")
 
     monkeypatch.setattr(export_mod, "save_file", fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(HstapError, match="disk full while writing the export; nothing was written"):
         export_drafter(run_dir, "sglang", out, force=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "keep.txt").read_text() == "old"
     monkeypatch.undo()
     export_drafter(run_dir, "sglang", out, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "hstap.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+# ---- train/serve parity: an export re-loaded as the engines read it and checked against its drafter ------------
+
+def _broken(export, tmp_path, name, config=None, tensors=None, provenance=None):
+    """A copy of `export` with one thing changed: config.json keys, tensors, or hstap.json keys."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / name
+    shutil.copytree(export, bad)
+    if config:
+        cfg = json.loads((bad / "config.json").read_text())
+        config(cfg)
+        (bad / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        state = load_file(str(bad / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(bad / "model.safetensors"))
+    if provenance:
+        prov = json.loads((bad / "hstap.json").read_text())
+        prov.update(provenance)
+        (bad / "hstap.json").write_text(json.dumps(prov))
+    return bad
+
+
+BROKEN = [  # (name, change, what the one line names)
+    ("vllm-ids-not-shifted", dict(config=lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 14, 26])),
+     "vllm would feed the drafter target layers [0, 13, 25] (canonical), it was trained on [1, 14, 26]"),
+    ("sglang-ids-shifted", dict(config=lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids",
+                                                                               [2, 15, 27])),
+     "sglang would feed the drafter target layers [2, 15, 27]"),
+    ("hidden-norm-ones", dict(tensors=lambda t: t.__setitem__("midlayer.hidden_norm.weight",
+                                                              torch.ones_like(t["midlayer.hidden_norm.weight"]))),
+     "midlayer.hidden_norm.weight differs from the drafter's (max |Δ|"),
+    ("final-norm-missing", dict(tensors=lambda t: t.pop("norm.weight")),
+     "norm.weight missing (the engine would leave it at its initial value)"),
+    ("d2t-off-by-one", dict(tensors=lambda t: t.__setitem__("d2t", t["d2t"] + 1)), "d2t differs from the drafter's"),
+    ("eps", dict(config=lambda c: c.__setitem__("rms_norm_eps", 1e-6)), "config.json: rms_norm_eps=1e-06"),
+    ("another-model", dict(provenance={"target_fingerprint": "0000"}), "hstap.json: target_fingerprint='0000'"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_export(run_dir, tmp_path_factory):
+    return export_drafter(run_dir, "vllm", tmp_path_factory.mktemp("good") / "vllm")
+
+
+def test_check_passes_on_an_export(run_dir, good_export, capsys):
+    assert main(["export", "--drafter", str(run_dir), "--out", str(good_export), "--check"]) == 0
+    assert "matches drafter" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, change, needle", BROKEN, ids=[b[0] for b in BROKEN])
+def test_check_catches_a_broken_export_in_one_line(name, change, needle, run_dir, good_export, tmp_path, capsys):
+    bad = _broken(good_export, tmp_path, name, **change)
+    assert main(["export", "--drafter", str(run_dir), "--out", str(bad), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_check_against_a_store_of_another_layer_convention(run_dir, source, tmp_path, capsys):
+    """A store captured with the ids off by one (another engine's convention) does not fit the export."""
+    from hstap.config import TeacherSpec
+    from hstap.store import StoreMeta, StoreWriter
+
+    cfg, _ = source
+    out = export_drafter(run_dir, "sglang", tmp_path / "e")
+    for ids, code in (([1, 14, 26], 0), ([2, 15, 27], 2)):
+        meta = StoreMeta(model_id="x", model_fingerprint=cfg.target_fingerprint, layer_ids=ids, hidden_size=576,
+                         hidden_dtype="bf16", teacher=TeacherSpec())
+        StoreWriter(tmp_path / f"store{ids[0]}", meta).close()
+        argv = ["export", "--drafter", str(run_dir), "--out", str(out), "--check", "--store",
+                str(tmp_path / f"store{ids[0]}")]
+        assert main(argv) == code
+        err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sglang would feed target layers [1, 14, 26], the store" in err
+    assert "holds [2, 15, 27]" in err
+
+
+def test_every_export_is_checked_before_it_appears(run_dir, tmp_path, monkeypatch):
+    """An exporter that writes vLLM's ids in the canonical convention (the classic off-by-one) is caught while
+    writing: nothing appears at --out, no temp directory is left."""
+    import hstap.export.formats as formats
+
+    monkeypatch.setattr(formats, "_vllm_id", lambda k: k)
+    with pytest.raises(HstapError, match=r"does not read back as the drafter, nothing written to .*: config.json: "
+                                         r"vllm would feed the drafter target layers \[0, 13, 25\]"):
+        export_drafter(run_dir, "vllm", tmp_path / "e")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_really_full_disk_is_one_line_and_leaves_nothing(run_dir, tiny_disk, capsys):
+    """A 64 KB tmpfs: safetensors reports ENOSPC as its own SafetensorError (a traceback before 2026-12)."""
+    assert main(["export", "--drafter", str(run_dir), "--format", "sglang", "--out", str(tiny_disk / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "nothing was written" in err, err
+    assert list(tiny_disk.iterdir()) == []

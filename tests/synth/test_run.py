@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from hstap.cli import main
+from hstap.errors import HstapError
 from hstap.data import Conversation, iter_jsonl, open_source, render, render_prompt
 from hstap.runtime.engine import Engine, Request
 from hstap.store import open_store
@@ -146,3 +147,51 @@ def test_cli_plan_and_missing_backend(tmp_path, capsys):
     assert main(["synth", "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model" in err and "--server" in err
+
+
+def test_a_full_disk_keeps_every_whole_record_and_a_too_long_prompt_is_not_retried(tmp_path, target, monkeypatch):
+    """ENOSPC at the 2nd record (HSTAP_FAULT record-write:2:enospc): one line, the first record whole, no cut line;
+    the re-run completes the set. A prompt longer than SmolLM2's 8,192 positions fails the same way every time:
+    reported as `over_model_positions`, `"retry": false` in the failed file, not as something to re-run for."""
+    import hstap.faults as faults
+    from hstap.synth.writer import failed_path
+
+    huge = "Please summarise this text. " + "lorem ipsum dolor sit amet " * 2500  # ~10k tokens
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "q1", "messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+        {"id": "q2", "messages": [{"role": "user", "content": "Name one ocean."}]},
+        {"id": "huge", "messages": [{"role": "user", "content": huge}]},
+    ])
+    out = tmp_path / "o.jsonl"
+    cfg = _cfg(out, data=f"jsonl:{data}", max_new_tokens=4, batch_size=1, concurrency=1)
+    monkeypatch.setenv("HSTAP_FAULT", "record-write:2:enospc")
+    faults.reset()
+    with pytest.raises(HstapError, match=r"o.jsonl: No space left on device.* the 1 records before it are whole and "
+                                         r"kept: free space, then re-run the same command to resume") as err:
+        run_synth(cfg, progress=False, target=target)
+    assert "\n" not in str(err.value)
+    assert out.read_text().endswith("\n") and len(read_records(out)) == 1
+    monkeypatch.delenv("HSTAP_FAULT")
+
+    result = run_synth(cfg, progress=False, target=target)
+    assert sorted(r["id"] for r in read_records(out)) == ["q1", "q2"] and result.resumed == 1
+    assert result.failed == 0 and result.permanent == {"over_model_positions": 1}
+    (line,) = read_records(failed_path(out))
+    assert line["id"] == "huge" and line["retry"] is False and "exceeds the model's 8192 positions" in line["reason"]
+    summary = result.summary()
+    assert "not retried 1: they can never succeed as asked (over_model_positions=1)" in summary
+    assert "retry them" not in summary
+
+
+def test_a_second_synth_on_the_same_file_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Two synths into one file: the second stops in one line (the first holds the lock), the file is untouched."""
+    from hstap.synth.writer import SynthWriter
+
+    out = tmp_path / "o.jsonl"
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    with SynthWriter(out) as first:
+        first.write({"id": "x", "messages": []})
+        code = main(["synth", "--model", "/no/such/model", "--data", f"jsonl:{data}", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "is being written by another hstap synth run" in err
+    assert [r["id"] for r in read_records(out)] == ["x"]

@@ -55,7 +55,7 @@ def test_failures_go_to_the_failed_file_of_this_run_only(tmp_path):
     with SynthWriter(out) as w:
         w.fail("c1", "HTTP 500", source="x")
         assert w.failed == 1
-    assert json.loads(failed_path(out).read_text()) == {"id": "c1", "reason": "HTTP 500", "source": "x"}
+    assert json.loads(failed_path(out).read_text()) == {"id": "c1", "reason": "HTTP 500", "retry": True, "source": "x"}
     assert failed_path(out).name == "o.failed.jsonl"
     with SynthWriter(out) as w:
         w.write(_rec(1))

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,38 +19,112 @@ from hstap.train.run import load_metrics, run_train
 from tests.conftest import SMALL_STORE
 
 FAST = dict(draft_vocab=2048, ttt_steps=3, heldout=0.1, seed=0, calib_prompts=0)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _weights(drafter) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
 
 
-def test_resume_continues_exactly(small_store, tmp_path, monkeypatch):
-    import hstap.train.run as run_module
+def _cli_flags(**fields) -> list[str]:
+    return [x for k, v in fields.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
-    def cfg(out, resume=False):
-        return TrainConfig(store=small_store, out=out, max_steps=4, checkpoint_every=2, batch_tokens=768,
-                           resume=resume, **FAST)
 
-    straight = run_train(cfg(tmp_path / "a"), progress=False)
-    real_load, calls = run_module.load_batch, {"n": 0}
+def test_killed_mid_checkpoint_then_disk_full_then_resumed_equals_uninterrupted(small_store, tmp_path, monkeypatch):
+    """A real `hstap train` SIGKILLed between writing its 2nd checkpoint and renaming it (HSTAP_FAULT), refused as a
+    run directory in use, resumed into a disk that fills at its next checkpoint (ENOSPC), resumed again: the losses
+    and weights are the uninterrupted run's, metrics.jsonl holds each step once (no NUL padding), nothing is left
+    half-written."""
+    import hstap.faults as faults
+    from hstap.train import checkpoint
 
-    def crash_on_third(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash before step 3")
-        return real_load(*args, **kw)
+    common = dict(max_steps=3, batch_tokens=256, **FAST)
+    straight = run_train(TrainConfig(store=small_store, out=tmp_path / "a", **common), progress=False)
+    out = tmp_path / "b"
+    cmd = [sys.executable, "-m", "hstap.cli", "train", "--store", str(small_store), "--out", str(out),
+           "--checkpoint-every", "1", *_cli_flags(**common)]
+    killed = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HSTAP_FAULT": "checkpoint-written:2"},
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert checkpoint.read_meta(out)["step"] == 1 and (out / ".checkpoint.tmp" / "trainer.pt").exists()
 
-    monkeypatch.setattr(run_module, "load_batch", crash_on_third)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_train(cfg(tmp_path / "b"), progress=False)
-    monkeypatch.setattr(run_module, "load_batch", real_load)
-    resumed = run_train(cfg(tmp_path / "b", resume=True), progress=False)
+    again = TrainConfig(store=small_store, out=out, **common)
+    with pytest.raises(HstapError, match="is not empty .*--resume.*--overwrite") as err:
+        run_train(again, progress=False)  # before 2026-12 this silently started over, truncating the metrics
+    assert "\n" not in str(err.value)
 
-    losses = lambda out: [r["loss"] for r in load_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # steps 3-4 replayed bit for bit, 1-2 not duplicated
+    resume = again.model_copy(update={"resume": True, "checkpoint_every": 1})
+    monkeypatch.setenv("HSTAP_FAULT", "checkpoint-write:1:enospc")  # step 2's checkpoint does not land
+    faults.reset()
+    with pytest.raises(HstapError, match=r"No space left on device.* while writing the checkpoint of step 2; "
+                                         r"the checkpoint of step 1 is kept: free space, then .* --resume") as err:
+        run_train(resume, progress=False)
+    assert "\n" not in str(err.value)
+    assert checkpoint.read_meta(out)["step"] == 1 and not (out / ".checkpoint.tmp").exists()
+    monkeypatch.delenv("HSTAP_FAULT")
+    resumed = run_train(resume, progress=False)
+
+    raw = (out / "metrics.jsonl").read_bytes()
+    assert b"\0" not in raw
+    losses = lambda run: [r["loss"] for r in load_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in load_metrics(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    # step 1 ran in another process, 2 and 3 in this one: fp32, the same kernels, so equal to fp32 rounding
+    torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(tmp_path / "a")), rtol=1e-6, atol=0)
     for name, value in _weights(straight.drafter).items():
-        assert torch.equal(resumed.drafter.trainable_state_dict()[name], value), name
+        torch.testing.assert_close(resumed.drafter.trainable_state_dict()[name], value, rtol=1e-6, atol=1e-7)
+    assert not any(p.name.startswith(".") or p.suffix == ".tmp" for p in out.iterdir())
+
+
+def test_metrics_of_another_length_are_cut_to_the_checkpoint_step_never_padded(tmp_path, capsys):
+    """The NUL padding of 2026-11: a checkpoint recorded a metrics size larger than the file (its run directory
+    had been started over), and truncate() extended the file with NUL bytes. Now the file is never extended: its
+    whole records up to the checkpoint's step are kept, NUL-padded lines repaired, the rest dropped and said."""
+    from hstap.train.checkpoint import cut_metrics
+
+    rec = lambda step: json.dumps({"kind": "train", "step": step, "loss": 1.0 / step}) + "\n"
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes((rec(1) + rec(2)).encode() + b"\0" * 4096 + (rec(3) + rec(4)).encode() + b'{"kind": "tr')
+    cut_metrics(path, 9000, step=3)
+    assert path.read_text() == rec(1) + rec(2) + rec(3)
+    assert "kept its 3 whole records up to step 3, dropped 2 lines" in capsys.readouterr().err
+    whole = path.read_bytes()
+    cut_metrics(path, len(rec(1)), step=1)  # the usual case: cut at the byte offset the checkpoint recorded
+    assert path.read_text() == rec(1) and capsys.readouterr().err == ""
+    cut_metrics(path, len(whole), step=3)  # a size past the end never pads
+    assert path.read_text() == rec(1)
+
+
+def test_a_kill_between_the_checkpoint_renames_keeps_a_checkpoint(tmp_path):
+    """Killed after the old checkpoint was moved aside and before the new one was renamed into place: the whole
+    new one is put in place (its meta.json is written last); without it, the old one."""
+    from hstap.train import checkpoint
+
+    for new_whole, expected in ((True, "new"), (False, "old")):
+        out = tmp_path / expected
+        for name, tag in ((".checkpoint.old", "old"), (".checkpoint.tmp", "new")):
+            (out / name).mkdir(parents=True)
+            (out / name / "trainer.pt").write_text(tag)
+        if new_whole:
+            (out / ".checkpoint.tmp" / "meta.json").write_text('{"step": 4, "metrics_bytes": 0}')
+        assert checkpoint.exists(out) and (out / "checkpoint" / "trainer.pt").read_text() == expected
+
+
+def test_checkpoints_come_on_a_clock_by_default_and_on_steps_when_asked():
+    from hstap.train.rundir import CheckpointClock
+
+    assert TrainConfig(store="s", out="o").checkpoint_interval_s == 300 and TrainConfig(store="s", out="o").\
+        checkpoint_every is None  # a short run is never lost for want of step 200
+    now = {"t": 0.0}
+    clock = CheckpointClock(None, 300, clock=lambda: now["t"])
+    due = []
+    for step in range(1, 9):
+        now["t"] += 100  # 100 s per step
+        if clock.due(step):
+            due.append(step)
+            clock.saved()
+    assert due == [3, 6]
+    steps = CheckpointClock(4, 1e9, clock=lambda: 0.0)
+    assert [s for s in range(1, 10) if steps.due(s)] == [4, 8]
 
 
 def test_online_training_matches_offline(small_store, tmp_path):
@@ -98,6 +176,8 @@ def test_empty_store_and_resume_layer_mismatch(small_store, tmp_path):
         vocab_size=49152, draft_vocab_size=2048, aux_layer_ids=[2, 14, 26], target_model_id="x",
         target_fingerprint=meta.model_fingerprint, target_num_layers=30, target_hidden_size=576)))
     (out / "config.json").write_text(json.dumps(cfg_json))
+    (out / "checkpoint").mkdir()
+    (out / "checkpoint" / "trainer.pt").write_bytes(b"")  # never read: the drafter's layers are checked first
     with pytest.raises(HstapError, match=r"aux_layer_ids=\[2, 14, 26\]"):
         run_train(TrainConfig(store=small_store, out=out, resume=True, **FAST), progress=False)
 

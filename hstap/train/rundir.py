@@ -1,0 +1,93 @@
+"""The run directory's life: checks that need no model (run first, on every rank), no run written over by
+accident, a fresh start on `--overwrite`, and when to checkpoint.
+
+    hstap train --store runs/cap --out runs/d                  # runs/d holds a run: refused, in one line
+    hstap train --store runs/cap --out runs/d --resume         # continue it from its checkpoint
+    hstap train --store runs/cap --out runs/d --overwrite      # delete its run files, start afresh
+
+Checkpoints come every `--checkpoint-interval` of wall time (5 minutes by default, so a short run killed early
+loses minutes, not the run), also every `--checkpoint-every` steps if set, and always at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from hstap.errors import HstapError
+from hstap.preflight import check_device, check_out_dir
+from hstap.train import checkpoint
+from hstap.train.config import TrainConfig
+
+# what a training run writes into OUT (hstap.train.run, checkpoint, tblog, plots): what --overwrite deletes
+RUN_FILES = ("checkpoint", ".checkpoint.tmp", ".checkpoint.old", "metrics.jsonl", "metrics.jsonl.tmp", "tb",
+             "config.json", "model.safetensors", "model.safetensors.tmp", "train_config.json", "loss.png",
+             "accuracy.png", "tau_estimate.png")
+
+
+RUN_MARKS = ("train_config.json", "metrics.jsonl", "checkpoint", ".checkpoint.tmp")  # only a run writes these
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Every check that needs no model, data or process group: a bad flag fails in a second, not after loading."""
+    from hstap.capture.layers import parse_layers
+    from hstap.models.target import model_config
+
+    if cfg.online and cfg.store is not None:
+        raise HstapError("pass either --store DIR (offline) or --online, not both")
+    if not cfg.online and cfg.store is None:
+        raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
+    check_device(cfg.device)
+    check_out_dir(cfg.out)
+    check_run_dir(Path(cfg.out), cfg.resume, cfg.overwrite)
+    layers = int(model_config(cfg.model)["num_hidden_layers"])  # names a missing model directory now
+    if cfg.online:
+        parse_layers(cfg.layers, layers)
+
+
+def check_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """A run directory is continued (`resume`), replaced (`overwrite`) or new; never silently written over."""
+    if resume and overwrite:
+        raise HstapError("--resume continues the run in --out, --overwrite deletes it: pass one of them")
+    if resume:
+        if not checkpoint.exists(out):
+            raise HstapError(f"--resume: no checkpoint in {out / checkpoint.CKPT} (the run stopped before its first "
+                             "one, or this is not a run directory): start afresh with --overwrite")
+        return
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    shown = ", ".join(held[:4]) + (f", … ({len(held)} entries)" if len(held) > 4 else "")
+    if held and not overwrite:
+        raise HstapError(f"--out {out} is not empty ({shown}): pass --resume to continue its run from the "
+                         "checkpoint, --overwrite to start afresh, or choose another --out")
+    # --overwrite deletes config.json and model.safetensors: never those of a model directory named by mistake
+    if held and not set(held) & set(RUN_MARKS):
+        raise HstapError(f"--overwrite: --out {out} holds no training run ({shown}; none of "
+                         f"{', '.join(RUN_MARKS)}): choose another --out")
+
+
+def clear_run(out: Path) -> None:
+    """Delete the files a training run writes (rank 0, `--overwrite`); anything else in `out` stays."""
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+class CheckpointClock:
+    """Whether a checkpoint is due after a step: `interval_s` of wall time since the last one (or the start),
+    or every `every` steps when set."""
+
+    def __init__(self, every: int | None, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.every, self.interval_s, self.clock = every, interval_s, clock
+        self.last = clock()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every is not None and step % self.every == 0
+        return by_steps or self.clock() - self.last >= self.interval_s
+
+    def saved(self) -> None:
+        self.last = self.clock()
