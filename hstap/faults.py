@@ -77,7 +77,7 @@ def fault_point(name: str) -> None:
     if name.startswith("raise-"):
         raise InjectedFault(f"{ENV} {name}:{_passes[name]}")
     if action == "ENOSPC":
-        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (HSTAP_FAULT {name}:{count}:enospc)")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # word for word what a full disk says
     os.kill(os.getpid(), getattr(signal, "SIG" + action))
 
 
