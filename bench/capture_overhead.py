@@ -1,13 +1,17 @@
-"""Cost of the tap during prefill, side by side in one run: plain prefill vs prefill with hstap's Tap.
+"""Cost of the tap during prefill, side by side in one run: plain prefill vs prefill with hstap's Tap, per teacher.
 
     python bench/capture_overhead.py --device cuda --shape 8b      # Llama-3.1-8B-shaped, random bf16 weights
     python bench/capture_overhead.py --device cpu --shape smollm2  # the real embedded target
     torchrun --standalone --nproc_per_node 2 bench/capture_overhead.py --device cuda --model /tmp/llama8b
                                         # tensor parallel (transformers' tp_plan), the tap on rank 0 only
 
-The tapped run captures 3 layers + a top-32 teacher (or `--teacher hidden`) through the same hooks `hstap capture`
-uses; the sink counts samples in memory, so storage speed is not part of the figure (the store's writer thread
-is measured separately). Variants alternate (plain, tap, plain, tap, ...) and the medians are compared.
+Each tapped variant captures 3 layers + one teacher through the same hooks `hstap capture` uses: by default both
+teachers, `hidden` and `topk:32` (`--teacher` picks, repeatable). The sink counts samples in memory, so storage
+speed is not part of the figure (the store's writer thread is measured separately). Variants alternate (plain,
+hidden, topk, plain, ...) and each tapped median is compared with the plain one: overhead = 1 − tapped / plain.
+For top-k teachers it then times the teacher's reduction alone on (batch·seq, V) logits of the model's dtype:
+`topk_logprobs` (what the tap runs) against the full-vocabulary `log_softmax → topk` it replaced, and prints the
+largest difference of their values.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from hstap.capture.hf import hf_taps
 from hstap.capture.tap import Batch, Tap
+from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 
 
@@ -47,6 +52,23 @@ def build_model(shape: str, device: str, model_dir: str | None = None):
         return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def teacher_reduction_ms(logits: torch.Tensor, k: int, reps: int) -> dict[str, float]:
+    """Median ms of the top-k teacher's reduction of `logits` (T, V): the cheap one and the one it replaced."""
+    sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
+    ways = {"topk_logprobs": lambda: topk_logprobs(logits, k),
+            "log_softmax+topk": lambda: torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(reps + 1):
+        for name, way in ways.items():
+            sync()
+            t0 = time.perf_counter()
+            way()
+            sync()
+            if r:
+                times[name].append(1000 * (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +76,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--teacher", default="topk:32")
+    ap.add_argument("--teacher", action="append", default=None,
+                    help="hidden or topk:K; repeat for several (default: hidden and topk:32)")
     ap.add_argument("--model", default=None, help="a checkpoint dir instead of --shape (tensor parallel under torchrun)")
     args = ap.parse_args()
 
@@ -65,7 +88,7 @@ def main() -> None:
     model = build_model(args.shape, args.device, args.model)
     n_layers = model.config.num_hidden_layers
     layers = [1, n_layers // 2 - 1, n_layers - 4]
-    teacher = TeacherSpec.parse(args.teacher)
+    teachers = [TeacherSpec.parse(t) for t in (args.teacher or ["hidden", "topk:32"])]
     b, s = args.batch, args.seq
     batch = Batch(ids=[str(i) for i in range(b)], rows=list(range(b)), starts=[0] * b, lengths=[s] * b)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -86,30 +109,53 @@ def main() -> None:
         sync()  # the forward's own time: the tap's copies finish on a side stream and a writer thread
         return time.perf_counter() - t0
 
-    tap = Tap({f"hidden.{k}" for k in layers} | {"teacher"}, sink=lambda sid, t: kept.__setitem__(0, kept[0] + 1),
-              teacher=teacher, hidden_size=model.config.hidden_size)
-    times: dict[str, list[float]] = {"plain": [], "tap": []}
-    taps = hf_taps(model, tap, layers, teacher.kind) if rank == 0 else contextlib.nullcontext()
-    with taps:  # under tensor parallelism only rank 0 taps, as `hstap capture` does
-        for r in range(args.reps + 2):
-            for variant in ("plain", "tap"):
-                dt = prefill(tap if variant == "tap" and rank == 0 else None)
-                if r >= 2:  # warm-up excluded
-                    times[variant].append(dt)
-                tap.wait_capacity()
-    report = tap.close()
+    taps = {str(t): Tap({f"hidden.{k}" for k in layers} | {"teacher"}, teacher=t, hidden_size=model.config.hidden_size,
+                        sink=lambda sid, tensors: kept.__setitem__(0, kept[0] + 1)) for t in teachers}
+    times: dict[str, list[float]] = {"plain": [], **{name: [] for name in taps}}
+    for r in range(args.reps + 2):
+        dt = prefill(None)
+        if r >= 2:  # warm-up excluded
+            times["plain"].append(dt)
+        for teacher, (name, tap) in zip(teachers, taps.items()):
+            # under tensor parallelism only rank 0 taps, as `hstap capture` does
+            hooks = hf_taps(model, tap, layers, teacher.kind) if rank == 0 else contextlib.nullcontext()
+            with hooks:
+                dt = prefill(tap if rank == 0 else None)
+            if r >= 2:
+                times[name].append(dt)
+            tap.wait_capacity()
+    reports = [tap.close() for tap in taps.values()]
     if rank != 0:
         return
-    assert report.errors == 0 and kept[0] == (args.reps + 2) * b, report.summary()
+    for report in reports:
+        assert report.errors == 0, report.summary()
+    assert kept[0] == (args.reps + 2) * b * len(taps), f"{kept[0]} samples handed off"
     rate = {k: b * s / statistics.median(v) for k, v in times.items()}
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     print(f"date {datetime.date.today()}, device {world} x {dev}, torch {torch.__version__}, "
           f"{'model ' + args.model if args.model else 'shape ' + args.shape}, "
-          f"batch {b}x{s}, layers {layers}, teacher {args.teacher}, median of {args.reps}")
+          f"batch {b}x{s}, layers {layers}, teachers {', '.join(taps)}, median of {args.reps}")
     for k, v in rate.items():
-        print(f"{k:>6}: {v:10.0f} tok/s")
-    print(f"tap overhead: {100 * (1 - rate['tap'] / rate['plain']):.1f}%")
+        print(f"{k:>8}: {v:10.0f} tok/s")
+    for name in taps:
+        print(f"tap overhead, teacher {name}: {100 * (1 - rate[name] / rate['plain']):.1f}%")
+    for teacher in teachers:
+        if teacher.kind == "topk":
+            compare_reductions(model, b * s, teacher.k, args.device, args.reps)
+
+
+def compare_reductions(model, rows: int, k: int, device: str, reps: int) -> None:
+    """The top-k teacher's reduction alone, old and new, on logits shaped as one prefill's."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    vocab = model.config.vocab_size
+    logits = (4 * torch.randn(rows, vocab, device=device, generator=gen)).to(model.dtype)  # (T, V)
+    ms = teacher_reduction_ms(logits, k, reps)
+    values, _ = topk_logprobs(logits, k)
+    ref = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1).values
+    print(f"top-{k} teacher reduction of {rows} x {vocab} {str(model.dtype).removeprefix('torch.')} logits: "
+          + ", ".join(f"{name} {v:.2f} ms" for name, v in ms.items())
+          + f"; largest |difference| {float((values - ref).abs().max()):.2e}")
 
 
 if __name__ == "__main__":

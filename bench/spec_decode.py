@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on a CPU")
     ap.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "tree:8,8,60"])
+    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "hybrid:3", "tree:8,8,60"])
     ap.add_argument("--no-cuda-graphs", action="store_true", help="the same code, eagerly (for comparison)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()

@@ -1,13 +1,17 @@
-"""Drafter training throughput (tokens/s) for TTT training steps on synthetic inputs of a real shape, on one
-device or on several GPUs under torchrun (DDP, as `hstap train` runs it).
+"""Drafter training throughput (tokens/s), model FLOPs utilisation and peak memory for TTT training steps on
+synthetic inputs of a real shape, on one device or on several GPUs under torchrun (DDP, as `hstap train` runs it).
 
     python bench/train_throughput.py --device cpu --shape smollm2 --draft-vocab 8192 --ttt-steps 7
-    python bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --seq 2048
+    python bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 --seq 2048 8192
     torchrun --standalone --nproc_per_node 2 bench/train_throughput.py --device cuda --shape 8b --seq 2048
 
-Synthetic aux states and teacher top-k (random), the real training path (`TTTModel` + AdamW, wrapped in DDP when
-WORLD_SIZE > 1), warm-up excluded. Every rank trains a batch of its own, so tokens/s is the sum over ranks; peak
-memory is per GPU. Rank 0 prints; `--json` adds a machine-readable line.
+Synthetic aux states and teacher top-k (random), the real training path (`TTTModel` + AdamW as `hstap train` builds
+it, wrapped in DDP when WORLD_SIZE > 1), warm-up excluded (on CUDA the first steps also compile flex attention).
+Every rank trains a batch of its own, so tokens/s is the sum over ranks; peak memory is per GPU. MFU = model FLOPs
+(`hstap.train.flops`: fc, layer, lm_head and the real TTT attention — causal prefix plus diagonal — per step,
+forward + backward) / step time / `--peak-tflops` (default: the H200's dense bf16 peak, 989.4 TFLOP/s), and also
+as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 product on CUDA). `--seq` takes
+several lengths, measured one after another in one process. Rank 0 prints; `--json` adds machine-readable lines.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import torch
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
+from hstap.train.attention import BACKENDS
+from hstap.train.flops import ttt_train_flops
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
+
+H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's H200 SXM figure without sparsity; the device README measured ~790 in matmuls
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -42,6 +50,59 @@ def synthetic_batch(h: int, vocab: int, t2d: torch.Tensor, b: int, s: int) -> TT
                     topk_ids=topk_ids, topk_logprobs=torch.log_softmax(torch.randn(b, s, 32), -1))
 
 
+def matmul_tflops(device: torch.device) -> float:
+    """The device's measured matrix-multiply rate: an 8192³ bf16 product on CUDA (1024³ fp32 elsewhere), mean of
+    10 after 3 warm-ups."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync()
+    return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+def train_step(model, opt, batch: TTTBatch, device: torch.device) -> None:
+    """One optimizer step as `hstap train` takes it: TTT forward under autocast, backward, AdamW."""
+    with autocast(device):
+        loss = model(*batch_tensors(batch))[0]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def time_steps(model, opt, batch: TTTBatch, device: torch.device, steps: int) -> float:
+    """Median seconds of a training step, 2 warm-ups excluded."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(steps + 2):
+        sync()
+        t0 = time.perf_counter()
+        train_step(model, opt, batch, device)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) -> None:
+    """One training step under torch.profiler: the `rows` ops with the most device (CUDA) or CPU self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        train_step(model, opt, batch, device)
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -49,9 +110,14 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, nargs="+", default=[512], help="one or more sequence lengths")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", action="store_true", help="also print one JSON line with the numbers")
+    ap.add_argument("--attention", default="auto", choices=BACKENDS,
+                    help="TTT attention backend (auto: flex on CUDA; math: materialised prefix scores)")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing each length, profile one more step and print its N costliest kernels")
     args = ap.parse_args()
     dist = distributed.setup(args.device)
     torch.manual_seed(0)  # the same weights on every rank, as DDP expects
@@ -63,40 +129,43 @@ def main() -> None:
     d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (vocab,)), args.draft_vocab)
     drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
     drafter.to(dist.device)
-    model = dist.wrap(TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8))
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    torch.manual_seed(1 + dist.rank)  # each rank its own data
-    batch = synthetic_batch(h, vocab, t2d, args.batch, args.seq).to(dist.device)
     cuda = dist.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = []
-    for i in range(args.steps + 2):
-        sync()
-        t0 = time.perf_counter()
-        with autocast(dist.device):
-            loss = model(*batch_tensors(batch))[0]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sync()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    step_s = dist.agree_max(statistics.median(times))  # the slowest rank sets the pace
-    tokens = args.batch * args.seq * dist.world_size
-    peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
-    peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
+    model = dist.wrap(TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8, args.attention))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
+                            fused=cuda)  # as hstap.train.run builds it
+    measured = matmul_tflops(dist.device)
     if dist.rank == 0:
         name = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, " \
             f"{torch.get_num_threads()} threads"
         print(f"date {datetime.date.today()}, device {dist.world_size} x {name}, torch {torch.__version__}, shape "
-              f"{args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {args.batch}x{args.seq} "
-              f"per rank")
-        print(f"train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
-              f"{dist.world_size} rank(s), peak memory {peak_gib:.1f} GiB per GPU")
-        if args.json:
-            print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
-                              "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
-                              "seq": args.seq, "batch": args.batch, "ttt": args.ttt_steps}))
+              f"{args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {args.batch} per rank, "
+              f"attention {args.attention}, median of {args.steps} steps")
+        print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
+              f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
+    for seq in args.seq:
+        torch.manual_seed(1 + dist.rank)  # each rank its own data
+        batch = synthetic_batch(h, vocab, t2d, args.batch, seq).to(dist.device)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dist.device)
+        step_s = dist.agree_max(time_steps(model, opt, batch, dist.device, args.steps))  # the slowest rank
+        tokens = args.batch * seq * dist.world_size
+        tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
+        mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
+        peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
+        peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
+        if dist.rank == 0:
+            print(f"seq {seq}: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
+                  f"{dist.world_size} rank(s), {tflops:.3g} TFLOP/s of model FLOPs per device: MFU {100 * mfu:.1f}% "
+                  f"({100 * of_matmul:.1f}% of the measured matmul rate), peak memory {peak_gib:.1f} GiB per GPU")
+            if args.json:
+                print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
+                                  "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
+                                  "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
+                                  "mfu": mfu, "matmul_tflops": measured, "attention": args.attention}))
+        if args.profile and dist.rank == 0:
+            print_profile(model, opt, batch, dist.device, args.profile)
+        del batch
     if dist.enabled:
         torch.distributed.destroy_process_group()
 

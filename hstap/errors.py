@@ -3,3 +3,11 @@
 
 class HstapError(Exception):
     """Bad input or environment: the message names the file/field and what was expected."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a command after it kept its work; the CLI prints the message, exits 128 + signum."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message)
+        self.signum = signum

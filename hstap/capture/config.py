@@ -10,9 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import Device, Dtype, TeacherSpec, option
+from hstap.config import Device, StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
+DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
 
 
 def layers_text(value):
@@ -33,7 +34,7 @@ class CaptureConfig(BaseModel):
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     out: Path = option(help="store directory (re-run to resume)")
     layers: str = option("auto", LAYERS_HELP)
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", DTYPE_HELP)
     teacher: TeacherSpec = option(TeacherSpec(), "topk:K (the target's top-k log-probs) or hidden (final norm)",
                                   metavar="topk:K|hidden")
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
@@ -41,9 +42,14 @@ class CaptureConfig(BaseModel):
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
     device: Device = option("cpu", "cpu | cuda | cuda:N")
     shard_mb: float = option(256, "target shard size in MiB", gt=0)
+    commit_every: float = option(60.0, "commit buffered samples as a shard at least this often (90s, 5m): a kill "
+                                       "loses at most this much work", metavar="DURATION", gt=0)
     force: bool = option(False, "capture even when free disk space looks short")
+    repair: bool = option(False, "resume a store with damaged shards: set them aside (*.damaged) and capture "
+                                 "their samples again")
 
     _layers_text = field_validator("layers", mode="before")(layers_text)
+    _duration = field_validator("commit_every", mode="before")(parse_duration)
 
     def resolved(self) -> dict:
         """The config with `layers` resolved against the model's config.json (no weights loaded)."""
@@ -69,6 +75,8 @@ class RemoteCaptureConfig(BaseModel):
     max_tokens: int = option(2048, "longest sample, as for hstap capture", gt=0)
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     concurrency: int = option(4, "requests in flight", ge=1)
+    retries: int = option(3, "attempts per request the server did not take (connection refused or reset, connect "
+                             "timeout, HTTP 502/503/504), with backoff", ge=1)
     timeout: float = option(600.0, "seconds for the whole run", gt=0)
     settle: float = option(30.0, "after the last answer, give up waiting for the store after this long without a "
                                  "new sample", gt=0)
@@ -82,7 +90,7 @@ class EngineFlagsConfig(BaseModel):
     model: str = option(help="'smollm2' or the served checkpoint directory (its config.json is read)")
     layers: str = option("auto", LAYERS_HELP)
     out: Path = option(help="capture directory (the store the engine writes)")
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", DTYPE_HELP)
     shard_mb: float = option(64, "shard size in MiB", gt=0)
     flush_s: float = option(1.0, "commit buffered samples after this long idle", gt=0)
 

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hstap.capture.arch import Layout
 from hstap.capture.tap import Batch, Tap
-from hstap.config import Dtype, TeacherSpec, torch_dtype
+from hstap.config import StoreDtype, TeacherSpec, torch_dtype
 from hstap.store import StoreMeta, StoreWriter
 
 REQUESTS_NAME = "requests.jsonl"
@@ -55,7 +55,7 @@ class EngineCaptureConfig(BaseModel):
     layers: list[int]
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
-    dtype: Dtype = "bf16"
+    dtype: StoreDtype = "bf16"
     model_id: str = "unknown"
     fingerprint: str = "unknown"
     engine: str = "unknown"

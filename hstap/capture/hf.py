@@ -2,10 +2,11 @@
 
 Hooks are registered on entry and removed on exit; they read outputs and never return a value, so the model's
 outputs are untouched. They act only between `tap.begin()` and `tap.end()`, so any other use of the same model
-(`generate`, evaluation) passes straight through.
+(`generate`, evaluation) passes straight through. The context yields a `hooks.Fired`: the caller counts its prefill
+requests into it and stops when a hook never fires (a module the model calls through `.forward()`).
 
-    with hf_taps(model, tap, layer_ids=[1, 14, 26]):
-        tap.begin(batch); model(input_ids=..., attention_mask=...); tap.end()
+    with hf_taps(model, tap, layer_ids=[1, 14, 26]) as fired:
+        tap.begin(batch); model(input_ids=..., attention_mask=...); tap.end(); fired.requests += len(batch.ids)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from hstap.capture.hooks import first_tensor
+from hstap.capture.hooks import Fired, first_tensor, module_names
 from hstap.capture.tap import Tap
 from hstap.errors import HstapError
 
@@ -42,26 +43,25 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 @contextmanager
-def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind: str = "topk") -> Iterator[None]:
+def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind: str = "topk") -> Iterator[Fired]:
     """Register read-only forward hooks feeding `tap`; remove them however the block exits."""
     layers = decoder_layers(model)
+    modules = {f"hidden.{k}": layers[k] for k in layer_ids}
+    modules["teacher"] = model.get_output_embeddings() if teacher_kind == "topk" else text_decoder(model).norm
+    fired = Fired(module_names(model, modules))
     handles = []
 
     def layer_hook(name: str):
         def hook(module, args, output) -> None:
+            fired.hit(name)
             if tap.active():
                 tap.record(name, first_tensor(output))
         return hook
 
     try:
-        for k in layer_ids:
-            handles.append(layers[k].register_forward_hook(layer_hook(f"hidden.{k}")))
-        if teacher_kind == "topk":
-            head = model.get_output_embeddings()
-            handles.append(head.register_forward_hook(layer_hook("teacher")))
-        else:
-            handles.append(text_decoder(model).norm.register_forward_hook(layer_hook("teacher")))
-        yield
+        for name, module in modules.items():
+            handles.append(module.register_forward_hook(layer_hook(name)))
+        yield fired
     finally:
         for handle in handles:
             handle.remove()

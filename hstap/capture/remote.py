@@ -10,7 +10,9 @@ client only decides what gets prefilled:
    `DIR/requests.jsonl`, fsynced *before* any request is sent: the engine identifies a prefill by its token ids
    against this file (engines carry no conversation ids, and warmup or health probes then match nothing);
 3. sends each as `POST /v1/completions {"prompt": [token ids], "max_tokens": 1}` — the OpenAI shape SGLang, vLLM
-   and the hf engine all accept — with bounded concurrency and per-request timeouts;
+   and the hf engine all accept — with bounded concurrency and per-request timeouts; a request the server did not
+   take (refused or reset connection, connect timeout, HTTP 502/503/504) is tried `--retries` times in all, with
+   backoff; a server that answered none of them is given up on at once, in one line naming the URL: no waiting;
 4. waits until the store's manifest lists every id — bounded by `--timeout`, and given up after `--settle` seconds
    without a new sample — then prints the engine's counters. A server that answered every prefill while the engine
    stored none of them (taps that never fired: a module name the served model does not have) is an error, in
@@ -20,8 +22,10 @@ Re-running resumes: samples already in the store are neither announced nor sent 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,24 +68,91 @@ def _stored_ids(capture_dir: Path) -> set[str]:
 
 
 def announce(capture_dir: Path, samples) -> None:
-    """Append the samples to `requests.jsonl` and fsync, so the engine knows them before it sees them."""
-    capture_dir.mkdir(parents=True, exist_ok=True)
-    with open(capture_dir / REQUESTS_NAME, "a", encoding="utf-8") as f:
-        for s in samples:
-            f.write(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append the samples to `requests.jsonl` and fsync, so the engine knows them before it sees them.
 
-
-def _send(client, url: str, model: str | None, sample) -> str | None:
-    body = {"prompt": sample.input_ids, "max_tokens": 1, "temperature": 0}
-    if model:
-        body["model"] = model
+    Under an exclusive lock, in one write: two clients never interleave bytes. A line a killed client left without
+    its newline is cut first (engines read whole lines only, so none has seen it; its sample is announced again)."""
     try:
-        r = client.post(f"{url}/v1/completions", json=body)
-    except Exception as exc:  # noqa: BLE001 — reported per sample, never fatal for the others
-        return f"{sample.id}: {type(exc).__name__}: {exc}"
-    return None if r.status_code == 200 else f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
+        capture_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(capture_dir / REQUESTS_NAME, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise HstapError(f"--capture-dir {capture_dir}: cannot write {REQUESTS_NAME} ({e.strerror})") from None
+    payload = "".join(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
+                      for s in samples).encode()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _cut_partial_line(fd)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _cut_partial_line(fd: int, chunk: int = 1 << 16) -> None:
+    end = os.lseek(fd, 0, os.SEEK_END)
+    pos = end
+    while pos > 0:
+        start = max(0, pos - chunk)
+        data = os.pread(fd, pos - start, start)
+        if pos == end and data.endswith(b"\n"):
+            return
+        newline = data.rfind(b"\n")
+        if newline >= 0:
+            os.ftruncate(fd, start + newline + 1)
+            return
+        pos = start
+    if end:
+        os.ftruncate(fd, 0)
+
+
+RETRY_STATUS = {502, 503, 504}  # a proxy or a server that is not taking requests (yet): worth another try
+BACKOFF_S = 0.5  # before the 2nd attempt; doubled for each next one
+
+
+def _not_taken() -> tuple[type, ...]:
+    """httpx errors after which the server cannot have processed the request: safe and useful to retry."""
+    import httpx
+
+    return (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class _Sender:
+    """Sends prefills, retrying what the server did not take; once every attempt of some request failed to reach a
+    server that has answered nothing yet, the URL is dead and the requests still to go are not tried."""
+
+    def __init__(self, client, url: str, model: str | None, retries: int) -> None:
+        self.client, self.url, self.model, self.retries = client, url, model, retries
+        self.not_taken = _not_taken()
+        self.answered = threading.Event()
+        self.dead = threading.Event()
+
+    def send(self, sample) -> str | None:
+        body = {"prompt": sample.input_ids, "max_tokens": 1, "temperature": 0}
+        if self.model:
+            body["model"] = self.model
+        why = ""
+        for attempt in range(self.retries):
+            if self.dead.is_set():
+                return f"{sample.id}: not sent ({self.url} is unreachable)"
+            if attempt:
+                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                r = self.client.post(f"{self.url}/v1/completions", json=body)
+            except Exception as exc:  # noqa: BLE001 — reported per sample, never fatal for the others
+                why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+                if isinstance(exc, self.not_taken):
+                    continue
+                break  # a read timeout: the server took the request; sending it again would not help
+            self.answered.set()
+            if r.status_code in RETRY_STATUS:
+                why = f"HTTP {r.status_code} {' '.join(r.text.split())[:200]}"
+                continue
+            return None if r.status_code == 200 else f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
+        if not self.answered.is_set():
+            self.dead.set()
+        return f"{sample.id}: {why} (after {self.retries} attempts)"
 
 
 def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
@@ -101,7 +172,12 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=httpx.Timeout(min(timeout, 300.0), connect=10.0)) as client, \
             ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-        failed = [e for e in pool.map(lambda s: _send(client, url.rstrip("/"), cfg.served_model, s), todo) if e]
+        sender = _Sender(client, url.rstrip("/"), cfg.served_model, cfg.retries)
+        failed = [e for e in pool.map(sender.send, todo) if e]
+    if todo and not sender.answered.is_set():
+        why = next(f for f in failed if "not sent" not in f).split(": ", 1)[1]
+        raise HstapError(f"capture-remote: {url} did not answer any of {len(todo)} prefill requests ({why}); is the "
+                         "server up on that URL? (`hstap serve` prints 'ready on URL')")
     want = {s.id for s in samples}
     stored, progress = _stored_ids(capture_dir), time.monotonic()
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle

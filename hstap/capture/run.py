@@ -4,6 +4,9 @@
     torchrun --nproc_per_node 2 -m hstap.cli capture --model DIR --out runs/cap      # tensor-parallel target
 
 Re-running the same command on the same `--out` resumes: committed samples are skipped, nothing is duplicated.
+Everything that needs no weights — the store lock, the store's state, the layer range, the disk estimate — is
+checked before the model loads, so a refusal costs a second, not a model load. SIGTERM and SIGINT stop after the
+batch in flight with the buffer committed (hstap.capture.stop); shards also commit every `--commit-every`.
 Under torchrun the target is split over the ranks (transformers' tensor-parallel plan); every rank runs the same
 forwards, and only rank 0 taps and writes: the residual stream is whole on every rank, so one copy is enough.
 """
@@ -12,9 +15,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -22,12 +25,15 @@ from tqdm import tqdm
 from hstap.capture.config import CaptureConfig
 from hstap.capture.hf import hf_taps
 from hstap.capture.layers import parse_layers
+from hstap.capture.stop import GuardedSink, StopSignals
 from hstap.capture.tap import Batch, Tap, TapReport
 from hstap.config import TeacherSpec, torch_dtype
 from hstap.data import RenderedSample, SkipReport, render_all
 from hstap.errors import HstapError
+from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
 from hstap.models import load_target, load_tokenizer
+from hstap.models.target import fingerprint_dir, model_config, resolve_model_dir
 from hstap.preflight import check_device, check_out_dir
 from hstap.store import StoreMeta, StoreWriter, bytes_per_token, capture_specs, check_free_space
 
@@ -42,6 +48,7 @@ class CaptureResult:
     data_report: SkipReport
     tap_report: TapReport
     cleaned: list[str]
+    notes: list[str] = field(default_factory=list)  # the store writer's: manifest rebuilt, shards set aside
 
     def summary(self) -> str:
         rate = tokens_per_second(self.tokens, self.seconds)
@@ -51,6 +58,7 @@ class CaptureResult:
             f"data: {self.data_report.summary()}",
             self.tap_report.summary(),
             f"removed leftovers of an interrupted run: {', '.join(self.cleaned)}" if self.cleaned else "",
+            *(f"store: {note}" for note in self.notes),
         ]
         return "\n".join(line for line in lines if line)
 
@@ -90,6 +98,26 @@ def _to_model_inputs(batch: list[RenderedSample], pad_id: int, device: str) -> t
     return inputs, layout
 
 
+@dataclass
+class TargetFiles:
+    """What the store meta and the checks before the model load need, read from the checkpoint's files alone."""
+
+    model_id: str
+    fingerprint: str
+    num_layers: int
+    hidden_size: int
+
+
+def target_files(model: str) -> TargetFiles:
+    path, model_id = resolve_model_dir(model)
+    config = model_config(model)
+    try:
+        num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except KeyError as e:
+        raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
+    return TargetFiles(model_id, fingerprint_dir(path), num_layers, hidden)
+
+
 def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
     return StoreMeta(model_id=target.model_id, model_fingerprint=target.fingerprint, layer_ids=layer_ids,
                      hidden_size=target.hidden_size, hidden_dtype=cfg.dtype, teacher=teacher,
@@ -107,29 +135,45 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     if not samples:
         raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
     parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
-    layer_ids = parse_layers(cfg.layers, target.num_layers)
-    if parallel and torch.distributed.get_rank() != 0:
+    files = target_files(cfg.model)
+    layer_ids = parse_layers(cfg.layers, files.num_layers)
+    if parallel and int(os.environ.get("RANK", "0")) != 0:
+        target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
         return _follow_rank0(target, samples, cfg, report)
-    meta = capture_meta(target, layer_ids, cfg, teacher)
-    with StoreWriter(cfg.out, meta, shard_bytes=int(cfg.shard_mb * 2**20)) as writer:
+    meta = capture_meta(files, layer_ids, cfg, teacher)
+    with StopSignals(enabled=not parallel) as stop, \
+            StoreWriter(cfg.out, meta, shard_bytes=int(cfg.shard_mb * 2**20), commit_every_s=cfg.commit_every,
+                        repair=cfg.repair) as writer:
         todo = [s for s in samples if s.id not in writer.committed_ids]
-        if parallel:  # the other ranks run exactly these forwards
-            torch.distributed.broadcast_object_list([[s.id for s in todo]], src=0)
         tokens = sum(len(s.input_ids) for s in todo)
-        per_token = bytes_per_token(capture_specs(layer_ids, target.hidden_size, cfg.dtype, teacher))
+        per_token = bytes_per_token(capture_specs(layer_ids, files.hidden_size, cfg.dtype, teacher))
         print(f"hstap capture: {len(todo)} samples, {tokens} tokens to go; estimated disk use "
               f"{per_token * tokens / 2**20:.1f} MiB ({per_token} B/token) in {cfg.out}", flush=True)
         warning = check_free_space(cfg.out, per_token * tokens, cfg.force)
         if warning:
             print(f"hstap capture: warning: {warning}", flush=True)
-        start = time.perf_counter()
-        tap_report = prefill_with_tap(target, todo, layer_ids, teacher, writer.add, dtype=cfg.dtype,
-                                      batch_tokens=cfg.batch_tokens, device=cfg.device, progress=progress)
-        seconds = time.perf_counter() - start
+        fault_point("capture-checked")
+        tap_report, seconds = TapReport(), 0.0
+        if todo or parallel:  # a finished store needs no model
+            target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
+            fault_point("model-loaded")
+            if parallel:  # the other ranks run exactly these forwards
+                torch.distributed.broadcast_object_list([[s.id for s in todo]], src=0)
+            sink = GuardedSink(writer)
+            stop.defer()
+            start = time.perf_counter()
+            tap_report = prefill_with_tap(target, todo, layer_ids, teacher, sink, dtype=cfg.dtype,
+                                          batch_tokens=cfg.batch_tokens, device=cfg.device, progress=progress,
+                                          stop=lambda: stop.signum is not None or sink.error is not None)
+            seconds = time.perf_counter() - start
+            if sink.error is not None:
+                writer.discard()  # its commit failed: those samples are captured again on resume
+                raise sink.error
+    stop.raise_if_stopped(f"{len(writer.committed_ids)} samples committed in {cfg.out} (the buffer included); "
+                          "re-run the same command to resume")
     return CaptureResult(out=cfg.out, captured=tap_report.samples_written, skipped_committed=len(samples) - len(todo),
                          tokens=tokens, seconds=seconds, data_report=report, tap_report=tap_report,
-                         cleaned=list(writer.cleaned))
+                         cleaned=list(writer.cleaned), notes=list(writer.notes))
 
 
 def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, report: SkipReport) -> CaptureResult:
@@ -151,22 +195,31 @@ def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, rep
 
 def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec, sink,
                      dtype: str = "bf16", batch_tokens: int = 4096, device: str = "cpu",
-                     progress: bool = True) -> TapReport:
+                     progress: bool = True, stop: Callable[[], bool] | None = None) -> TapReport:
     """Prefill every sample in padded batches of at most `batch_tokens` with the tap on, storing hidden states
-    as `dtype`; the tap's writer thread feeds `sink(sample_id, tensors)`. Capture and online training share it."""
+    as `dtype`; the tap's writer thread feeds `sink(sample_id, tensors)`. Capture and online training share it.
+    `stop`: asked before each batch; True ends the loop there (the tap still drains what it holds)."""
     names = {f"hidden.{k}" for k in layer_ids} | {"teacher"}
     tap = Tap(names, sink=sink, storage_dtype=torch_dtype(dtype), teacher=teacher, hidden_size=target.hidden_size)
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
                disable=not progress)
     try:
-        with hf_taps(target.model, tap, layer_ids, teacher.kind), torch.inference_mode():
+        with hf_taps(target.model, tap, layer_ids, teacher.kind) as fired, torch.inference_mode():
             for batch in make_batches(todo, batch_tokens):
+                if stop is not None and stop():
+                    break
                 inputs, layout = _to_model_inputs(batch, target.tokenizer.pad_token_id, device)
                 tap.wait_capacity()
                 tap.begin(layout)
                 target.model(**inputs, use_cache=False)
                 tap.end()
                 bar.update(sum(layout.lengths))
+                fault_point("batch-forwarded")
+                fired.requests += len(batch)
+                if silent := fired.silent():  # hooks that never fire: stop now, not after an empty store
+                    raise HstapError(fired.message(silent))
+            if silent := fired.silent(finished=True):
+                raise HstapError(fired.message(silent))
     finally:
         report = tap.close()
         bar.close()

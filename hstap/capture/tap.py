@@ -5,8 +5,8 @@ An engine adapter (transformers hooks, SGLang `--forward-hooks`, a vLLM worker e
 and nothing else. The tap:
 
 - gathers the real tokens of every sample out of the padded `[B, S, H]` or packed `[T, H]` layout,
-- converts to the storage dtype and reduces teacher logits to top-k *on the device*, so only the bytes that will
-  be stored cross PCIe,
+- converts to the storage dtype (fp8: quantises with per-token scales) and reduces teacher logits to top-k *on
+  the device*, so only the bytes that will be stored cross PCIe,
 - on CUDA copies on a side stream into pinned host memory (`non_blocking=True`, `record_stream`, an event) and
   returns at once: no `.cpu()`, `.item()` or `.tolist()` in the forward,
 - lets a writer thread wait on the event, split the batch per sample and call the sink (usually the store),
@@ -24,7 +24,10 @@ from typing import Callable
 
 import torch
 
-from hstap.config import TeacherSpec
+from hstap.capture.teacher import topk_logprobs
+from hstap.config import TeacherSpec, dtype_name, torch_dtype
+from hstap.store import fp8
+from hstap.store.estimate import bytes_per_token, capture_specs, teacher_hidden_dtype
 
 Sink = Callable[[str, dict[str, torch.Tensor]], None]
 
@@ -81,7 +84,8 @@ class Tap:
     Args:
         names: tensor names one forward must produce, e.g. {"hidden.1", "hidden.14", "hidden.26", "teacher"}.
         sink: called on the writer thread as `sink(sample_id, tensors)`; tensors are on the host.
-        storage_dtype: dtype hidden states are stored in (teacher log-probs are always fp16, ids int32).
+        storage_dtype: dtype hidden states are stored in (teacher log-probs are always fp16, ids int32);
+            float8_e4m3fn stores each layer as fp8 plus `hidden_scale.{k}` (hstap.store.fp8), quantised on the device.
         teacher: how `record("teacher", ...)` is reduced (top-k of the logits, or the normed hidden as-is).
         max_inflight_bytes: host memory the tap may hold in flight; past it a batch is dropped (and counted)
             rather than blocking inside the engine's forward. Offline loops call `wait_capacity()` between forwards.
@@ -93,6 +97,7 @@ class Tap:
         self.sink = sink
         self.storage_dtype = storage_dtype
         self.teacher = teacher or TeacherSpec()
+        self._teacher_dtype = torch_dtype(teacher_hidden_dtype(dtype_name(storage_dtype)))
         self.max_inflight_bytes = max_inflight_bytes
         self.report = TapReport()
         self._bytes_per_token = self._estimate_bytes_per_token(hidden_size)
@@ -163,10 +168,8 @@ class Tap:
     # ---- internals ----------------------------------------------------------------------------------------
 
     def _estimate_bytes_per_token(self, hidden_size: int) -> int:
-        n_hidden = sum(1 for n in self.names if n.startswith("hidden."))
-        elem = torch.empty(0, dtype=self.storage_dtype).element_size()
-        teacher = self.teacher.k * 6 if self.teacher.kind == "topk" else hidden_size * elem
-        return n_hidden * hidden_size * elem + teacher
+        layers = list(range(sum(1 for n in self.names if n.startswith("hidden."))))
+        return bytes_per_token(capture_specs(layers, hidden_size, dtype_name(self.storage_dtype), self.teacher))
 
     def _admit(self, pending: _Pending) -> bool:
         with self._lock:
@@ -201,11 +204,13 @@ class Tap:
         if not rows.is_floating_point():
             return {name: rows}
         if name != "teacher":
+            if self.storage_dtype == fp8.FP8:
+                q, scale = fp8.quantize(rows)  # (T, H) fp8, (T,) fp32
+                return {name: q, fp8.scale_name(name): scale}
             return {name: rows.to(self.storage_dtype)}
         if self.teacher.kind == "hidden":
-            return {"teacher.hidden": rows.to(self.storage_dtype)}
-        logprobs = torch.log_softmax(rows.float(), dim=-1)  # (T, V)
-        values, ids = logprobs.topk(self.teacher.k, dim=-1)  # (T, k)
+            return {"teacher.hidden": rows.to(self._teacher_dtype)}
+        values, ids = topk_logprobs(rows, self.teacher.k)  # (T, k): no (T, V) fp32 log-probs
         return {"teacher.topk_ids": ids.to(torch.int32), "teacher.topk_logprobs": values.to(torch.float16)}
 
     def _copy_out(self, pending: _Pending, name: str, tensor: torch.Tensor) -> None:

@@ -141,10 +141,15 @@ class Eagle3Drafter(nn.Module):
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: (token ids, previous hidden, positions) → (next hidden (B,S,H), logits (B,S,Vd))."""
+        hidden = self.layer_step(input_ids, hidden, positions, attend)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   attend: AttendFn) -> torch.Tensor:
+        """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
-        return hidden, self.lm_head(self.norm(hidden))
+        return self.midlayer(embeds, hidden, cos, sin, attend)
 
     # ---- persistence ---------------------------------------------------------------------------------------
 

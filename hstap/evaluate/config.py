@@ -28,6 +28,9 @@ class EvalConfig(BaseModel):
                                                          "3 when no shape is given)", metavar="K")
     tree: list[str] = option(default_factory=list, help="EAGLE-2 dynamic tree: depth, top-k per node, draft "
                                                         "tokens (repeatable)", metavar="D,TOPK,N")
+    hybrid: list[str] = option(default_factory=list, help="chain draft of K tokens, replaced by prompt lookup in "
+                                                          "rows whose last N tokens (default 3) occurred before "
+                                                          "(repeatable)", metavar="K[,N]")
     temperature: float = option(0.0, "0 = greedy; > 0 = speculative sampling", ge=0)
     max_new_tokens: int = option(128, "longest answer per prompt", ge=2)
     batch: int = option(1, "prompts decoded together (every method, vanilla too)", ge=1)
@@ -58,7 +61,7 @@ class EvalConfig(BaseModel):
     def shapes(self) -> list[str]:
         """Every draft shape, as `chain:K` / `tree:D,TOPK,N` specs."""
         specs = [f"ngram:{k}" for k in self.ngram] + [f"chain:{k}" for k in self.chain] + \
-            [f"tree:{t}" for t in self.tree]
+            [f"tree:{t}" for t in self.tree] + [f"hybrid:{k}" for k in self.hybrid]
         return specs or list(DEFAULT_SHAPES)
 
     def resolved(self) -> dict:
@@ -66,12 +69,12 @@ class EvalConfig(BaseModel):
 
 
 def shape_fields(specs: list[str]) -> dict[str, list]:
-    """`["ngram:3", "chain:3", "tree:8,8,60"]` → `{"ngram": [3], "chain": [3], "tree": ["8,8,60"]}`: EvalConfig's
-    fields for these shapes."""
-    fields: dict[str, list] = {"ngram": [], "chain": [], "tree": []}
+    """`["ngram:3", "chain:3", "tree:8,8,60"]` → `{"ngram": [3], "chain": [3], "tree": ["8,8,60"], "hybrid": []}`:
+    EvalConfig's fields for these shapes."""
+    fields: dict[str, list] = {"ngram": [], "chain": [], "tree": [], "hybrid": []}
     for spec in specs:
         kind, _, args = spec.partition(":")
         if kind not in fields:
-            raise HstapError(f"draft shape {spec!r}: expected ngram:K, chain:K or tree:DEPTH,TOPK,NODES")
-        fields[kind].append(int(args) if kind != "tree" and args.isdigit() else args)
+            raise HstapError(f"draft shape {spec!r}: expected ngram:K, chain:K, hybrid:K or tree:DEPTH,TOPK,NODES")
+        fields[kind].append(int(args) if kind in ("ngram", "chain") and args.isdigit() else args)
     return fields

@@ -84,11 +84,22 @@ def _canonical_json(data: bytes) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
 
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
 def fingerprint_dir(path: Path) -> str:
     """sha256 over the JSON files (canonical: install paths and library versions dropped) and every weight file's
-    size and first/last MiB: cheap, weight-sensitive, and equal on every machine that holds the same model."""
-    h = hashlib.sha256()
+    size and first/last MiB: cheap, weight-sensitive, and equal on every machine that holds the same model.
+    Kept per process while no file changes (size, mtime): capture needs it before and after the model load."""
     files = sorted(p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file())
+    key = (str(path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = _fingerprint(files)
+    return _FINGERPRINTS[key]
+
+
+def _fingerprint(files: list[Path]) -> str:
+    h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
         if p.suffix == ".json":

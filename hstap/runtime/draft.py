@@ -172,15 +172,17 @@ def _rerank(lean: LeanDrafter, block: Block, ids: torch.Tensor, scores: torch.Te
         block.scores.copy_(scores.gather(1, kept))
 
 
-def draft_ngram(history: torch.Tensor, slot, block: Block, match: int) -> None:
+def draft_ngram(history: torch.Tensor, slot, block: Block, match: int) -> torch.Tensor:
     """Prompt lookup: the K tokens that followed the latest earlier occurrence of the context's last n tokens,
     n = match .. 1 (the longest found wins); history (B, L) holds row b's tokens by column, the root at
-    write_at. Positions past the context repeat the root; no match proposes the root K times (rejected)."""
+    write_at. Positions past the context repeat the root; no match proposes the root K times (rejected).
+    Returns each row's match length n (B,), 0 where nothing matched."""
     b, length = history.shape
     k = block.tokens.shape[1]
     col = torch.arange(length, device=history.device)  # (L,) window start p
     root = slot.write_at.clamp(max=length - 1)  # (B,)
     found = torch.full((b,), -1, dtype=torch.long, device=history.device)  # (B,) column after the match
+    matched = torch.zeros(b, dtype=torch.long, device=history.device)  # (B,) its length
     for n in range(1, match + 1):
         hit = (col[None] >= slot.start[:, None]) & (col[None] + n <= root[:, None])  # window ends before root
         for i in range(n):
@@ -188,6 +190,9 @@ def draft_ngram(history: torch.Tensor, slot, block: Block, match: int) -> None:
             suffix = history.gather(1, (root - n + 1 + i).clamp(min=0)[:, None])  # (B, 1)
             hit = hit & (window == suffix)
         latest = torch.where(hit, col[None], -1).amax(1)  # (B,)
-        found = torch.where((latest >= 0) & (root - n + 1 >= slot.start), latest + n, found)
+        hit_n = (latest >= 0) & (root - n + 1 >= slot.start)
+        found = torch.where(hit_n, latest + n, found)
+        matched = torch.where(hit_n, n, matched)
     follow = torch.where(found[:, None] >= 0, found[:, None] + torch.arange(k, device=history.device), root[:, None])
     block.tokens.copy_(history.gather(1, torch.minimum(follow, root[:, None])))
+    return matched

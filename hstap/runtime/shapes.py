@@ -4,6 +4,8 @@
     shape = DraftShape.parse("chain:3")         # the drafter's argmax, 3 steps
     shape = DraftShape.parse("ngram:3")         # prompt lookup: the 3 tokens after the latest match of the
                                                 # context's last 3, 2 or 1 tokens (longest first); ngram:K,N
+    shape = DraftShape.parse("hybrid:3")        # chain:3 from the drafter, but prompt lookup's 3 tokens in the
+                                                # rows whose last 3 tokens occurred before (copying); hybrid:K,N
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class DraftShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["chain", "tree", "ngram"]
+    kind: Literal["chain", "tree", "ngram", "hybrid"]
     depth: int = Field(ge=1)
     topk: int = Field(default=1, ge=1)
     nodes: int = Field(ge=1)
@@ -44,8 +46,8 @@ class DraftShape(BaseModel):
 
     @property
     def spec(self) -> str:
-        if self.kind == "ngram":
-            return f"ngram:{self.depth}" + (f",{self.match}" if self.match != NGRAM_MATCH else "")
+        if self.kind in ("ngram", "hybrid"):
+            return f"{self.kind}:{self.depth}" + (f",{self.match}" if self.match != NGRAM_MATCH else "")
         return f"chain:{self.depth}" if self.kind == "chain" else f"tree:{self.depth},{self.topk},{self.nodes}"
 
     @property
@@ -54,6 +56,8 @@ class DraftShape(BaseModel):
             return f"chain {self.depth}"
         if self.kind == "ngram":
             return f"ngram {self.depth} (match ≤ {self.match})"
+        if self.kind == "hybrid":
+            return f"chain {self.depth}, prompt lookup where the last {self.match} tokens recur"
         return f"tree depth {self.depth}, top-{self.topk}, {self.nodes} nodes"
 
     @property
@@ -81,9 +85,19 @@ def _ngram(steps: int, match: int = NGRAM_MATCH) -> DraftShape:
     return DraftShape(kind="ngram", depth=steps, topk=1, nodes=steps, match=match)
 
 
+def _hybrid(steps: int, match: int = NGRAM_MATCH) -> DraftShape:
+    """The drafter's chain, except where the answer is copying its context (MT-bench extraction 2026-12-01:
+    prompt lookup τ 2.77, the drafter's chain 1.61): rows whose last `match` tokens occurred before take prompt
+    lookup's continuation instead. Both are drafted every cycle; one verification, as for a chain."""
+    if match < 1:
+        raise ValueError("need a match length N ≥ 1")
+    return DraftShape(kind="hybrid", depth=steps, topk=1, nodes=steps, match=match)
+
+
 # The one registry of draft shapes: kind → (usage, builder from the integers after the colon).
 SHAPES = {
     "chain": ("chain:K", _chain),
     "tree": ("tree:DEPTH,TOPK,NODES", _tree),
     "ngram": ("ngram:K[,N]", _ngram),
+    "hybrid": ("hybrid:K[,N]", _hybrid),
 }

@@ -72,6 +72,7 @@ class _State:
     pend_aux: torch.Tensor | None = None  # (B, 1 + depth, n·H) target layers of the rows committed last
     pend_tokens: torch.Tensor | None = None  # (B, 1 + depth) the token after each of them
     pend_count: torch.Tensor | None = None  # (B,) how many are real
+    lookup: Block | None = None  # (B, N) prompt lookup's draft (hybrid shapes)
 
 
 class SpecDecoder:
@@ -206,6 +207,8 @@ class SpecDecoder:
             st.pend_aux = torch.zeros(b, 1 + d, lean.fc.shape[1], dtype=lean.dtype, device=device)
             st.pend_tokens = torch.zeros(b, 1 + d, **long)
             st.pend_count = torch.zeros(b, **long)
+        if self.shape.kind == "hybrid":
+            st.lookup = Block.chain(b, self.nodes, device)
         return st
 
     def _saved(self, st: _State, slot: Slot) -> list[torch.Tensor]:
@@ -247,6 +250,10 @@ class SpecDecoder:
             draft_ngram(st.history, slot, st.block, self.shape.match)
         elif kind == "chain":
             draft_chain(self.lean, st.drafts, slot, st.block, temps, generator)
+        elif kind == "hybrid":  # both drafts on the device, a per-row choice: no host sync, graph-capturable
+            draft_chain(self.lean, st.drafts, slot, st.block, temps, generator)
+            copying = draft_ngram(st.history, slot, st.lookup, self.shape.match) >= self.shape.match  # (B,)
+            st.block.tokens.copy_(torch.where(copying[:, None], st.lookup.tokens, st.block.tokens))
         else:
             scale = None if temps is None else temps.clamp_min(1e-5).where(temps > 0, 1.0)[:, None]
             draft_tree(self.lean, st.drafts, slot, st.block, self.depth, self.shape.topk, scale)

@@ -13,6 +13,8 @@ one batch size, so a smaller batch steps with dummy rows that see nothing but th
 
 from __future__ import annotations
 
+import gc
+
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -106,6 +108,7 @@ class Runtime:
         if width + max_new_tokens > self.max_len:
             raise ValueError(f"{width} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
         need = width + max_new_tokens + reserve
+        self.slot = None  # an evicted slot's cache must be free before the next one is allocated
         slot = self.slot = self._get_slot(-(-need // self.len_bucket) * self.len_bucket)
         slot.rows = rows
         logits, aux = [], []
@@ -157,9 +160,13 @@ class Runtime:
         budget = KV_BUDGET * torch.cuda.get_device_properties(self.device).total_memory \
             if self.device.type == "cuda" else float("inf")
         need = self.lean.cache_bytes(self.batch_size, length)
+        evicted = False
         while self.slots and (len(self.slots) >= self.max_slots or
                               need + sum(s.kv.data.nbytes for s in self.slots.values()) > budget):
             self.slots.popitem(last=False)
+            evicted = True
+        if evicted:
+            gc.collect()  # a slot's graphs refer back to it: only the collector frees that cycle (and its cache)
         slot = self.slots[length] = Slot(self.lean, self.batch_size, length)
         return slot
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP
-from hstap.config import Device, Dtype, option
+from hstap.config import Device, StoreDtype, option
 
 
 class ServeConfig(BaseModel):
@@ -34,7 +34,7 @@ class ServeConfig(BaseModel):
                                              "container or test double); it gets the same arguments",
                                        flag="--command", metavar="'PROGRAM ARGS'")
     drafter: Path | None = option(None, "hf engine: decode speculatively with this drafter run directory")
-    draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K; default chain:3 "
+    draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K, hybrid:K[,N]; default chain:3 "
                                      "with --drafter)")
     extra: list[str] = option(default_factory=list, help="-- then engine arguments", positional=True)
     echo: bool = option(True, "echo the engine's output", cli=False)
@@ -66,9 +66,9 @@ class HfServerConfig(BaseModel):
     max_batch: int = option(8, "requests decoded together", ge=1)
     capture_layers: str | None = option(None, f"{LAYERS_HELP}; 'auto' when only --capture-dir is given")
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")
-    dtype: Dtype = option("bf16", "hidden-state storage dtype")
+    dtype: StoreDtype = option("bf16", "hidden-state storage dtype (fp8: e4m3 with a scale per token and layer)")
     drafter: Path | None = option(None, "decode speculatively with this drafter run directory (`hstap train`)")
-    draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N or ngram:K (no drafter needed); default "
+    draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N, hybrid:K[,N] or ngram:K (no drafter needed); default "
                                      "chain:3 with --drafter")
 
     @field_validator("draft")

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from hstap.capture.engine import EngineCaptureConfig
 from hstap.errors import HstapError
+
+if TYPE_CHECKING:  # the capture config pulls in torch: `hstap serve` without capture starts without it
+    from hstap.capture.engine import EngineCaptureConfig
 
 # flag -> why capture refuses it (a flag given as `--flag`, `--flag=value`, or `--flag value`)
 SGLANG_REFUSED = {
@@ -52,6 +54,10 @@ class EngineSpec:
     capture_env: dict[str, str] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     must_be: dict[str, str] = field(default_factory=dict)
+    # (path, JSON body) of a request the supervisor sends once the engine says ready: start-up ends when it is
+    # answered (a hang in it is caught by the stall watchdog). None where the engine's own warm-up request
+    # precedes its ready line (SGLang) or no token-id endpoint is known to be safe to call (vLLM).
+    first_request: tuple[str, dict] | None = None
 
     def command(self, model: str, host: str, port: int, capture: EngineCaptureConfig | None, extra: list[str],
                 program: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -92,10 +98,12 @@ def check_flags(spec: EngineSpec, extra: list[str]) -> None:
 
 
 def _sglang(model: str, host: str, port: int, capture: EngineCaptureConfig | None) -> tuple[list[str], list[str]]:
-    from hstap.capture.sglang import sglang_flags
-
     args = ["--model-path", model, "--host", host, "--port", str(port)]
-    return [sys.executable, "-m", "sglang.launch_server"], args + (sglang_flags(capture) if capture else [])
+    if capture is not None:
+        from hstap.capture.sglang import sglang_flags
+
+        args += sglang_flags(capture)
+    return [sys.executable, "-m", "sglang.launch_server"], args
 
 
 def _vllm(model: str, host: str, port: int, capture: EngineCaptureConfig | None) -> tuple[list[str], list[str]]:
@@ -120,7 +128,8 @@ ENGINES: dict[str, EngineSpec] = {
     # vLLM's /health is 200 once the engine core is up; uvicorn logs this line when the app starts.
     "vllm": EngineSpec("vllm", "Application startup complete.", "/health", _vllm,
                        capture_env={"VLLM_SERVER_DEV_MODE": "1"}, refused=VLLM_REFUSED, must_be=VLLM_MUST_BE),
-    "hf": EngineSpec("hf", "Application startup complete.", "/health", _hf),
+    "hf": EngineSpec("hf", "Application startup complete.", "/health", _hf,
+                     first_request=("/v1/completions", {"prompt": [0], "max_tokens": 1, "temperature": 0})),
 }
 
 

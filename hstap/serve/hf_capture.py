@@ -11,6 +11,11 @@
   decoder layers' outputs are the canonical residual streams, `model.norm` gives the teacher. Identity,
   stitching and the store are the engine rules (`hstap.capture.engine`), so this path is the CPU stand-in for a
   GPU engine. Reading the padding mask's lengths is the one host read, before the forward starts.
+
+Start-up runs in phases the supervisor's watchdog follows from the log: loading, then a warm-up generation (before
+the taps go on, so it is never captured), then serving. The fault switch can hang each phase (`HSTAP_FAULT=
+hang-loading`, `hang-warmup`, `hang-first-request`), and SIGUSR2 dumps every thread's stack when the supervisor
+asked for it (`hstap.serve.stacks`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import asyncio
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hstap.capture.engine import EngineCaptureConfig, session_for
-from hstap.capture.hf_engine import HfEngineTaps
 from hstap.errors import HstapError
+from hstap.faults import fault_point
+
+if TYPE_CHECKING:  # torch comes in with the model, after the "loading" line: start-up hangs are told apart
+    from hstap.capture.engine import EngineCaptureConfig
 
 
 class CompletionRequest(BaseModel):
@@ -46,6 +54,7 @@ def add_completions(app, model_name: str) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        fault_point("hang-first-request")
         if req.model is not None and req.model != model_name:
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                           "model_not_found")
@@ -59,32 +68,51 @@ def add_completions(app, model_name: str) -> None:
                           "total_tokens": gen.prompt_tokens + gen.completion_tokens}}
 
 
+def warm_up(app) -> None:
+    """One short generation through the app's engine (kernels, caches, CUDA graphs), before any tap is on."""
+    from hstap.data import render_prompt
+    from hstap.runtime.engine import Request
+
+    print("hstap hf engine: warm-up: one short generation", flush=True)
+    fault_point("hang-warmup")
+    prompt = render_prompt([{"role": "user", "content": "Hi"}], app.state.engine.tokenizer)
+    app.state.engine.generate([Request(prompt=prompt, max_new_tokens=2)])
+
+
 def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8, drafter=None,
-                       draft: str | None = None):
+                       draft: str | None = None, warmup: bool = False):
     """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given (they read prefill only, so
-    they work with speculative decoding too)."""
+    they work with speculative decoding too); `warmup` runs `warm_up` first."""
+    from hstap.capture.engine import session_for
+    from hstap.capture.hf_engine import HfEngineTaps
     from hstap.serve.hf_server import create_app
 
     app = create_app(target, model_name, max_batch=max_batch, drafter=drafter, draft=draft)
     add_completions(app, model_name)
+    if warmup:
+        warm_up(app)
     if cfg is not None:
         app.state.taps = HfEngineTaps(target.model, session_for(cfg), cfg.layers)
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
-    from hstap.capture.engine import EngineCaptureConfig
     from hstap.config import add_config_flags, config_from_args
-    from hstap.models import load_target
     from hstap.serve.config import HfServerConfig
+    from hstap.serve.stacks import enable_stack_dumps
 
+    enable_stack_dumps()
     parser = argparse.ArgumentParser(prog="python -m hstap.serve.hf_capture", description=__doc__.splitlines()[0])
     add_config_flags(parser, HfServerConfig, "hf-server")
     try:
         args = config_from_args(parser.parse_args(argv))
         print(f"hstap hf engine: loading {args.model}", flush=True)
+        fault_point("hang-loading")
+        import uvicorn
+
+        from hstap.capture.engine import EngineCaptureConfig
+        from hstap.models import load_target
+
         target = load_target(args.model, device=args.device)
         cfg = None
         if args.capture_dir is not None:
@@ -98,10 +126,11 @@ def main(argv: list[str] | None = None) -> None:
             drafter = load_drafter(args.drafter, target)
             print(f"hstap hf engine: speculative decoding, {args.draft or 'chain:3'} from {args.drafter}", flush=True)
         name = args.name or target.model_id
-        app = create_capture_app(target, name, cfg, max_batch=args.max_batch, drafter=drafter, draft=args.draft)
+        app = create_capture_app(target, name, cfg, max_batch=args.max_batch, drafter=drafter, draft=args.draft,
+                                 warmup=True)
     except HstapError as exc:
         sys.exit(f"hstap hf engine: error: {exc}")
-    print(f"hstap hf engine: warmup done, serving {name} on http://{args.host}:{args.port}", flush=True)
+    print(f"hstap hf engine: warm-up done, serving {name} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -8,12 +8,18 @@
 With capture on, SGLang's log is also read for its hook registrations: a hook spec that matched no module, or more
 than one, stops the engine at once with a one-line error naming the spec (status `capture_failed`).
 
-The engine runs in its own process group; its output is teed to `RUN_DIR/engine.log` and echoed as progress with
-the phase (`loading`, `warmup`, `ready`). Ready means the engine's own ready line and then `GET /health` = 200.
+A port that is already taken is refused before anything starts. The engine runs under a keeper
+(`hstap.serve.keeper`) in its own process group, tied to the supervisor by a lifeline pipe: however the supervisor
+ends, `kill -9` included, the keeper stops the engine and everything it started. Its output is teed to
+`RUN_DIR/engine.log` and echoed as progress with the phase (`loading` → `warmup` → `first-request` → `ready`,
+never backwards). Ready means: the engine's own ready line, `GET /health` = 200, the listening socket held by a
+process of the engine's own tree (another server answering on the port is an error, not readiness) and, for
+engines that name a first request (`hf`), an answer to it.
 Watchdog, until ready: no new log output for `stall_timeout` seconds — or half of that while some process of the
 group burns a full core (a busy loop: the seed story's scheduler spinning on futexes) — is a HANG: every process's
-Python stacks go to `RUN_DIR/stacks/<pid>.txt` (py-spy), the group gets SIGTERM, then SIGKILL after `grace_s`,
-and the supervisor checks that no process of it survives. A crash reports the exit code and the last log lines.
+Python stacks go to `RUN_DIR/stacks/<pid>.txt` (`hstap.serve.stacks`: py-spy, else faulthandler), the group gets
+SIGTERM, then SIGKILL after `grace_s`, and the supervisor checks that no process of it survives. A crash reports
+the exit code and the last log lines.
 """
 
 from __future__ import annotations
@@ -32,20 +38,26 @@ from pathlib import Path
 import psutil
 
 from hstap.errors import HstapError
+from hstap.serve import stacks as stack_dumps
 from hstap.serve.config import ServeConfig
 from hstap.serve.engines import engine_spec
+from hstap.serve.ports import check_port_free, describe, listeners
 
 # SGLang 0.5.23's hook_manager logs these per --forward-hooks spec (a spec matching nothing is only a warning, and
 # the engine serves on with a capture directory that stays empty). hstap's spec names start with "hstap-".
 NO_MATCH = re.compile(r"No modules matched hook spec '(hstap-[^']*)' patterns=(\[.*?\])")
 REGISTERED = re.compile(r"Registered forward hook '(hstap-[^']*)' on (\S+)")
-PHASES = [("ready", None), ("warmup", re.compile(r"warm ?up|capture cuda graph|cuda graph", re.I)),
+CAPTURE_ERROR = re.compile(r"hstap capture: error: (.*)")  # hstap's own taps (hf engine): hooks that never fired
+PHASES = [("ready", None), ("first-request", None),
+          ("warmup", re.compile(r"warm[- ]?up|capture cuda graph|cuda graph", re.I)),
           ("loading", re.compile(r"load|weight|shard|init", re.I))]
+ORDER = ["starting", "loading", "warmup", "first-request", "ready"]  # a phase only moves forward
 
 
 @dataclass
 class ServeResult:
-    """How the engine ended. `status`: stopped | hang | crashed | timeout | interrupted | capture_failed."""
+    """How the engine ended. `status`: stopped | hang | crashed | timeout | interrupted | capture_failed |
+    port_taken. `elapsed_s`: seconds since the engine was started."""
 
     status: str
     exit_code: int | None
@@ -54,6 +66,7 @@ class ServeResult:
     last_lines: list[str] = field(default_factory=list)
     stacks_dir: Path | None = None
     survivors: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -78,16 +91,21 @@ class Supervisor:
         self.log_path = cfg.run_dir / "engine.log"
         self.capture_error = ""  # set by the log reader: a capture hook that will never fire as intended
         self._hooked: dict[str, set[str]] = {}  # hook spec -> module names SGLang registered it on
+        self._lifeline = -1  # write end of the keeper's lifeline pipe: closed when this process ends
+        self._started = 0.0
+        self._probe: dict[str, str] = {}  # the first request's outcome: {"error": ""} when it was answered
+        self.faulthandler_dir = cfg.run_dir / "faulthandler"
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        from hstap.capture.engine import EngineCaptureConfig
         from hstap.models.target import resolve_model_dir
 
         cfg = self.cfg
         capture = None
         if cfg.capture_dir is not None:
+            from hstap.capture.engine import EngineCaptureConfig  # torch: only when capturing
+
             capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir,
                                                          cfg.engine)
         elif cfg.capture_layers is not None:
@@ -103,14 +121,23 @@ class Supervisor:
         return argv, env
 
     def start(self) -> None:
+        """Refuse a taken port, then start the keeper (which starts the engine) and the log reader."""
         argv, env = self.command()
+        check_port_free(self.cfg.host, self.cfg.port)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (self.cfg.run_dir / "command.txt").write_text(" ".join(argv) + "\n")
         self._say(f"starting {self.cfg.engine}: {' '.join(argv)[:300]}")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        lifeline, self._lifeline = os.pipe()
+        keeper = [sys.executable, "-m", "hstap.serve.keeper", str(lifeline), str(self.cfg.grace_s), "--"]
+        env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", stack_dumps.ENV: str(self.faulthandler_dir)}
+        try:
+            self.proc = subprocess.Popen(keeper + argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                         pass_fds=(lifeline,))
+        finally:
+            os.close(lifeline)  # the keeper's end only: its EOF is this process's death
         self._known[self.proc.pid] = psutil.Process(self.proc.pid)
-        self._last_output = time.monotonic()
+        self._started = self._last_output = time.monotonic()
         self._reader = threading.Thread(target=self._tee, name="hstap-serve-log", daemon=True)
         self._reader.start()
 
@@ -127,7 +154,19 @@ class Supervisor:
                 return self.stop("capture_failed", self.capture_error)
             if stop is not None and stop.is_set():
                 return self.stop("interrupted")
-            if self._ready_line.is_set() and self._healthy():
+            if self._ready_line.is_set() and not self._probe and self._healthy():
+                foreign = self._foreign_listener()
+                if foreign:
+                    return self.stop("port_taken", foreign)
+                if self.spec.first_request is None:
+                    self._probe["error"] = ""
+                else:  # answered in a thread: a hang in it is caught by the watchdog below
+                    self._probe["sent"] = "yes"
+                    self._advance("first-request")
+                    threading.Thread(target=self._first_request, name="hstap-serve-probe", daemon=True).start()
+            if "error" in self._probe:
+                if self._probe["error"]:
+                    return self.stop("crashed", f"the engine's first request failed: {self._probe['error']}")
                 self.phase = "ready"
                 self._say(f"ready on {self.url} after {time.monotonic() - started:.0f} s")
                 return None
@@ -158,6 +197,31 @@ class Supervisor:
 
     # ---- internals --------------------------------------------------------------------------------------------
 
+    def _advance(self, phase: str) -> None:
+        if ORDER.index(phase) > ORDER.index(self.phase):
+            self.phase = phase
+
+    def _foreign_listener(self) -> str:
+        """'' when a process of the engine's tree listens on the port (or nobody this user can see does), else the
+        one-line reason: another process's server answered /health."""
+        holders = listeners(self.cfg.port)
+        ours = {p.pid for p in self._alive()}
+        if not holders or any(pid in ours for pid in holders) or all(pid is None for pid in holders):
+            return ""
+        who = ", ".join(describe(pid) for pid in holders if pid is not None)
+        return (f"port {self.cfg.port} is answered by {who}, not by the {self.cfg.engine} engine (pid "
+                f"{self.proc.pid} and its children): another server holds the port; stop it or choose another --port")
+
+    def _first_request(self) -> None:
+        import httpx
+
+        path, body = self.spec.first_request
+        try:
+            r = httpx.post(self.url + path, json=body, timeout=None)  # the watchdog, not a timeout, bounds it
+            self._probe["error"] = "" if r.status_code == 200 else f"HTTP {r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            self._probe["error"] = f"{type(exc).__name__}: {exc}"
+
     def _say(self, msg: str) -> None:
         if self.cfg.echo:
             print(f"hstap serve [{self.phase}]: {msg}", flush=True)
@@ -173,8 +237,7 @@ class Supervisor:
                 if self.spec.ready_line in line:
                     self._ready_line.set()
                 self._check_hooks(line)
-                if self.phase not in ("ready",):
-                    self.phase = next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase)
+                self._advance(next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase))
                 if self.cfg.echo and line:
                     print(f"  {self.cfg.engine}| {line[:240]}", flush=True)
 
@@ -182,7 +245,9 @@ class Supervisor:
         """A capture hook spec SGLang matched to no module, or to several (it would fire twice per forward)."""
         if self.capture_error:
             return
-        if m := NO_MATCH.search(line):
+        if m := CAPTURE_ERROR.search(line):
+            self.capture_error = m.group(1)
+        elif m := NO_MATCH.search(line):
             self.capture_error = (f"capture hook spec '{m.group(1)}' matched no module of the served model (patterns "
                                   f"{m.group(2)}): its module names differ from hstap/capture/arch.py's row")
         elif m := REGISTERED.search(line):
@@ -247,16 +312,8 @@ class Supervisor:
 
     def _dump_stacks(self) -> Path:
         stacks = self.cfg.run_dir / "stacks"
-        stacks.mkdir(parents=True, exist_ok=True)
-        spy = Path(sys.executable).with_name("py-spy")
-        for p in self._alive():
-            target = stacks / f"{p.pid}.txt"
-            try:
-                out = subprocess.run([str(spy) if spy.exists() else "py-spy", "dump", "--pid", str(p.pid)],
-                                     capture_output=True, text=True, timeout=30)
-                target.write_text(out.stdout + out.stderr)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                target.write_text(f"py-spy failed: {exc}\n")
+        how = stack_dumps.dump_stacks([p.pid for p in self._alive()], stacks, self.faulthandler_dir)
+        self._say("stacks: " + ", ".join(f"{pid} by {way or 'nothing'}" for pid, way in how.items()))
         return stacks
 
     def _hang(self, why: str, status: str = "hang") -> ServeResult:
@@ -287,7 +344,11 @@ class Supervisor:
                 self.proc.poll()
                 time.sleep(0.1)
         self.proc.poll()
-        return [p.pid for p in self._alive()]
+        survivors = [p.pid for p in self._alive()]
+        if not survivors and self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        return survivors
 
     def _signal_all(self, pgid: int, sig: int) -> None:
         try:
@@ -302,12 +363,14 @@ class Supervisor:
 
     def _result(self, status: str, why: str, survivors: list[int], stacks: Path | None = None) -> ServeResult:
         code = self.proc.poll()
+        stack_dumps.drop_empty(self.faulthandler_dir)
         return ServeResult(status=status, exit_code=code, phase=self.phase, diagnosis=why,
-                           last_lines=list(self.last_lines)[-12:], stacks_dir=stacks, survivors=survivors)
+                           last_lines=list(self.last_lines)[-12:], stacks_dir=stacks, survivors=survivors,
+                           elapsed_s=time.monotonic() - self._started)
 
 
 def format_result(r: ServeResult, log: Path) -> str:
-    if r.status == "capture_failed" and not r.survivors:  # the diagnosis says it all: one line
+    if r.status in ("capture_failed", "port_taken") and not r.survivors:  # the diagnosis says it all: one line
         return f"hstap serve: error: {r.diagnosis}; engine stopped (log: {log})"
     lines = [f"hstap serve: {r.diagnosis}", f"  exit code: {r.exit_code}; phase: {r.phase}; log: {log}"]
     if r.stacks_dir is not None:

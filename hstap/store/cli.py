@@ -16,16 +16,28 @@ def add_arguments(parser) -> None:
 
 
 def format_info(info: dict) -> str:
-    return "\n".join(f"  {key:>17}: {value}" for key, value in info.items())
+    """The info as aligned `key: value` lines, then one `BAD` line per problem found."""
+    lines = []
+    for key, value in info.items():
+        if key == "problems":
+            continue
+        if key == "projected":
+            value = ", ".join(f"{n:,} samples {size}" for n, size in value.items())
+        elif key == "bytes_per_token":
+            value = f"{value:.1f} (measured over the shards; {value / info['hidden_size']:.2f}·H)"
+        elif key == "tokens_per_sample":
+            value = f"{value:.1f}"
+        lines.append(f"  {key:>24}: {value}")
+    return "\n".join(lines + [f"BAD {p}" for p in info.get("problems", [])])
 
 
 def run(cfg: StoreInfoConfig | StoreVerifyConfig) -> int:
     from hstap.store import store_info, verify_store
 
     if isinstance(cfg, StoreInfoConfig):
-        info = store_info(cfg.dir)
+        info = store_info(cfg.dir, project=cfg.project)
         print(json.dumps(info, indent=2, default=str) if cfg.as_json else format_info(info))
-        return 0
+        return 1 if info["problems"] else 0
     problems = verify_store(cfg.dir)
     for line in problems:
         print(f"BAD {line}")

@@ -19,7 +19,7 @@ def run(cfg: CompareConfig) -> int:
     c = compare_stores(cfg.dir_a, cfg.dir_b, rtol=cfg.rtol, min_cos=cfg.min_cos,
                        keep_per_sample=cfg.per_sample or cfg.as_json)
     if cfg.as_json:
-        print(json.dumps({**asdict(c), "ok": c.ok, "verdict": c.verdict()}, indent=2))
+        print(json.dumps({**asdict(c), "ok": c.ok, "status": c.status, "verdict": c.verdict()}, indent=2))
     else:
         print(format_comparison(c, per_sample=cfg.per_sample))
-    return 0 if c.ok else 1
+    return {"match": 0, "common-match": 3, "mismatch": 1}[c.status]

@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from hstap.config import option
 
 
+PROJECT_SAMPLES = (10_000, 100_000, 1_000_000)  # store sizes `hstap store info` projects by default
+
+
 class StoreInfoConfig(BaseModel):
-    """Samples, tokens, layers, dtype, bytes/token and bytes on disk of a store."""
+    """Samples, tokens, layers, dtype, bytes/token, bytes on disk and projected sizes of a store; exit 1 naming a
+    missing or truncated shard, totals that disagree with the shards, or an unlisted shard file (no checksums:
+    `verify`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     dir: Path = option(help="the store directory", positional=True)
+    project: list[Annotated[int, Field(gt=0)]] = option(
+        default_factory=lambda: list(PROJECT_SAMPLES),
+        help="print the size of a store of N samples like these (repeatable)", metavar="N")
     as_json: bool = option(False, "machine-readable output", flag="--json")
 
 
 class StoreVerifyConfig(BaseModel):
-    """Check every shard's checksum; exit 1 naming a bad shard."""
+    """Check every shard's checksum; exit 1 naming a bad shard (or a shard file the manifest does not list)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -27,10 +36,12 @@ class StoreVerifyConfig(BaseModel):
 
 
 class CompareConfig(BaseModel):
-    """Per-layer, per-sample differences between two stores of the same samples.
+    """Per-layer, per-sample differences between two stores of the same samples; exit 0 MATCH, 1 MISMATCH, 3 when
+    every common sample matches but a store has samples the other lacks.
 
-    A tensor stored in a low-precision dtype may differ by its own rounding step whatever `rtol` asks (see
-    `hstap.config.rounding_step`); fp32 tensors keep `rtol` itself."""
+    A tensor stored in a low-precision dtype may differ by its own rounding step whatever `rtol` asks, and its
+    per-token cosine may fall to 1 - step**2/2 whatever `min_cos` asks (see `hstap.config.rounding_step`; fp8:
+    0.125 and 0.992); fp32 tensors keep `rtol` and `min_cos` themselves."""
 
     model_config = ConfigDict(extra="forbid")
 

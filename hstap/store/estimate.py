@@ -1,7 +1,7 @@
 """Size estimates before a capture starts, so a run fails in its first second rather than at 95 % of a full disk.
 
     from hstap.store import bytes_per_token, check_free_space
-    need = bytes_per_token(conventional_specs(meta)) * planned_tokens
+    need = bytes_per_token(conventional_specs(meta)) * planned_tokens     # the one bytes-per-token rule
     warning = check_free_space("runs/cap", need, force=False)     # raises HstapError when short
 """
 
@@ -34,20 +34,29 @@ def bytes_per_token(tensors: dict[str, TensorSpec]) -> int:
     return total
 
 
+def teacher_hidden_dtype(hidden_dtype: str) -> str:
+    """The dtype of a `hidden` teacher: the hidden dtype, except bf16 under fp8 (the training target is not
+    quantised; hstap.store.fp8)."""
+    return "bf16" if hidden_dtype == "fp8" else hidden_dtype
+
+
 def conventional_specs(meta: StoreMeta) -> dict[str, TensorSpec]:
     """The specs a conventional capture writes, known before the first sample (for `--plan` estimates).
 
+    Hidden states in the hidden dtype; under fp8 each layer also has `hidden_scale.{k}` (one fp32 per token).
     Teachers: `topk:K` (K int32 ids and K fp16 log-probs, as the capture tap stores them) or `hidden` (the final
-    hidden state in the hidden dtype).
+    hidden state in `teacher_hidden_dtype`).
     """
     specs = {"input_ids": TensorSpec(dtype="int32", shape=[]), "loss_mask": TensorSpec(dtype="bool", shape=[])}
     for k in meta.layer_ids:
         specs[f"hidden.{k}"] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
+        if meta.hidden_dtype == "fp8":
+            specs[f"hidden_scale.{k}"] = TensorSpec(dtype="fp32", shape=[])
     if meta.teacher.kind == "topk":
         specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[meta.teacher.k])
         specs["teacher.topk_logprobs"] = TensorSpec(dtype="fp16", shape=[meta.teacher.k])
     else:
-        specs["teacher.hidden"] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
+        specs["teacher.hidden"] = TensorSpec(dtype=teacher_hidden_dtype(meta.hidden_dtype), shape=[meta.hidden_size])
     return specs
 
 
@@ -56,6 +65,11 @@ def capture_specs(layer_ids: list[int], hidden_size: int, dtype: str, teacher) -
     meta = StoreMeta(model_id="", model_fingerprint="", layer_ids=layer_ids, hidden_size=hidden_size,
                      hidden_dtype=dtype, teacher=teacher)
     return conventional_specs(meta)
+
+
+def projected_bytes(bytes_per_token: float, tokens_per_sample: float, samples: int) -> float:
+    """Disk a store of `samples` samples will take at this measured rate and mean sample length."""
+    return bytes_per_token * tokens_per_sample * samples
 
 
 def _existing_parent(path: Path) -> Path:

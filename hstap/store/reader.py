@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,19 +18,51 @@ from typing import Any
 from safetensors import safe_open
 
 from hstap.errors import HstapError
-from hstap.store.estimate import human_bytes
-from hstap.store.manifest import MANIFEST_NAME, Manifest, SampleEntry, ShardInfo, load_manifest
+from hstap.store.config import PROJECT_SAMPLES
+from hstap.store.estimate import bytes_per_token, conventional_specs, human_bytes, projected_bytes
+from hstap.store.fp8 import SCALE_PREFIX, dequantize_sample
+from hstap.store.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    SampleEntry,
+    ShardInfo,
+    Totals,
+    load_manifest,
+    shard_files,
+)
 
 OPEN_SHARDS = 4  # handles kept open: enough for sequential reads and a shuffled window, few file descriptors
 HASH_CHUNK = 8 << 20
+TOKEN_KEYS = frozenset({"input_ids", "loss_mask"})
+DAMAGED_HINT = "`hstap store verify` lists every problem; `hstap train --skip-bad-shards` leaves damaged shards out"
+
+
+@dataclass
+class SkippedShard:
+    """A damaged shard `open_store(skip_bad_shards=True)` left out, with what it would have given."""
+
+    file: str
+    problem: str
+    samples: int
+    tokens: int
 
 
 class Store:
-    """Random access to a committed store. Not thread-safe (the handle cache); DataLoader worker processes are fine."""
+    """Random access to a committed store. Not thread-safe (the handle cache); DataLoader worker processes are fine.
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+    The first read of whole samples from a shard checks that shard's sha256 against the manifest (once per shard
+    and process: one extra sequential read of it), so a flipped byte stops the reader with the shard's name
+    instead of feeding wrong numbers on. Token-only reads (`keys` ⊆ input_ids, loss_mask: vocabulary counts)
+    skip the check, so opening a large store stays cheap.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest, skipped: list[SkippedShard] | None = None,
+                 checksums: bool = True) -> None:
         self.path = path
         self.manifest = manifest
+        self.skipped = skipped or []
+        self.checksums = checksums
+        self._verified: set[int] = set()
         # (shard index, entry) per sample in store order: shard order, then sample order within the shard
         self._index: list[tuple[int, SampleEntry]] = [
             (i, e) for i, shard in enumerate(manifest.shards) for e in shard.samples
@@ -44,29 +77,41 @@ class Store:
         """One sample, read from its shard's rows only; negative indices count from the end."""
         return self.read(i)
 
-    def read(self, i: int, keys: set[str] | None = None) -> dict[str, Any]:
+    def read(self, i: int, keys: set[str] | None = None, dequantize: bool = True) -> dict[str, Any]:
         """Like `store[i]`, reading only the tensors named in `keys` (e.g. {"input_ids", "loss_mask"} to count
-        tokens without touching the hidden states)."""
+        tokens without touching the hidden states; an fp8 layer's scales come with it).
+
+        An fp8 store's hidden states come back as bf16 (`hstap.store.fp8.dequantize`); with `dequantize=False`
+        they stay float8_e4m3fn and their scales come as `sample["hidden_scale"][k]` (S,) fp32, for a trainer
+        that dequantises after the copy to its device."""
         n = len(self._index)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
         shard_idx, entry = self._index[i]
+        if keys is None or not keys <= TOKEN_KEYS:
+            self._check_once(shard_idx)
         handle = self._handle(shard_idx)
         rows = slice(entry.offset, entry.offset + entry.length)
         sample: dict[str, Any] = {"id": entry.id, "hidden": {}, "teacher": {}}
         for name in self.manifest.tensors:
-            if keys is not None and name not in keys:
+            if keys is not None and name not in keys and not _scale_of(name, keys):
                 continue
-            t = handle.get_slice(name)[rows]  # (S, *shape)
+            try:
+                t = handle.get_slice(name)[rows]  # (S, *shape)
+            except Exception as exc:  # noqa: BLE001 — safetensors raises its own types for damaged files
+                raise HstapError(f"shard {self.path / self.manifest.shards[shard_idx].file}: cannot read tensor "
+                                 f"{name!r} ({exc}): the store is damaged; {DAMAGED_HINT}") from None
             if name == "input_ids":
                 sample[name] = t.long()  # int32 on disk, int64 for embedding lookups
             elif name.startswith("hidden.") and name[7:].lstrip("-").isdigit():
                 sample["hidden"][int(name[7:])] = t
+            elif name.startswith(SCALE_PREFIX) and name[len(SCALE_PREFIX):].lstrip("-").isdigit():
+                sample.setdefault("hidden_scale", {})[int(name[len(SCALE_PREFIX):])] = t
             elif name.startswith("teacher."):
                 sample["teacher"][name[8:]] = t
             else:
                 sample[name] = t
-        return sample
+        return dequantize_sample(sample) if dequantize else sample
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
@@ -91,35 +136,97 @@ class Store:
         # Handles don't pickle; DataLoader workers reopen shards themselves.
         return {**self.__dict__, "_handles": OrderedDict()}
 
+    def _check_once(self, shard_idx: int) -> None:
+        if not self.checksums or shard_idx in self._verified:
+            return
+        shard = self.manifest.shards[shard_idx]
+        problem = listed_problem(self.path, shard)
+        if problem is None and _sha256_file(self.path / shard.file) != shard.sha256:
+            problem = f"{shard.file}: sha256 mismatch (contents changed since commit)"
+        if problem:
+            raise HstapError(f"store {self.path}: {problem}; {DAMAGED_HINT}")
+        self._verified.add(shard_idx)
+
     def _handle(self, shard_idx: int) -> Any:
         if shard_idx in self._handles:
             self._handles.move_to_end(shard_idx)
             return self._handles[shard_idx]
         file = self.path / self.manifest.shards[shard_idx].file
         if not file.exists():
-            raise HstapError(f"shard {file} is listed in the manifest but missing: the store is damaged, re-capture it")
-        handle = safe_open(str(file), framework="pt")
+            raise HstapError(f"shard {file} is listed in the manifest but missing: the store is damaged; "
+                             f"{DAMAGED_HINT}")
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # noqa: BLE001 — SafetensorError for a damaged header
+            raise HstapError(f"shard {file}: not a readable safetensors file ({exc}): the store is damaged; "
+                             f"{DAMAGED_HINT}") from None
         self._handles[shard_idx] = handle
         if len(self._handles) > OPEN_SHARDS:
             self._handles.popitem(last=False)
         return handle
 
 
+def _scale_of(name: str, keys: set[str]) -> bool:
+    """`hidden_scale.k` is read whenever `hidden.k` is: the fp8 values mean nothing without it."""
+    return name.startswith(SCALE_PREFIX) and "hidden." + name[len(SCALE_PREFIX):] in keys
+
+
 def _load(path: Path | str) -> tuple[Path, Manifest]:
     path = Path(path)
     file = path / MANIFEST_NAME
     if not file.exists():
+        shards = shard_files(path)
+        if shards:
+            raise HstapError(f"no {MANIFEST_NAME} in {path}, but {len(shards)} shard files: re-run the same "
+                             "`hstap capture` command on it to rebuild the manifest from the shard headers")
         raise HstapError(f"no {MANIFEST_NAME} in {path}: not an hstap store (or nothing committed yet)")
     return path, load_manifest(file)
 
 
-def open_store(path: Path | str) -> Store:
-    """Open a store for reading; reads the manifest only, no shard.
+def listed_problem(path: Path, shard: ShardInfo) -> str | None:
+    """The cheap check of a listed shard (one stat): present, with the size the manifest recorded."""
+    try:
+        size = (path / shard.file).stat().st_size
+    except FileNotFoundError:
+        return f"{shard.file}: missing ({len(shard.samples)} samples listed in it)"
+    if size != shard.bytes:
+        return f"{shard.file}: {size} bytes on disk, manifest says {shard.bytes} (truncated or replaced)"
+    return None
+
+
+def unlisted_shards(path: Path, manifest: Manifest) -> list[str]:
+    """Shard files in `path` that the manifest does not list (not part of the store)."""
+    listed = {s.file for s in manifest.shards}
+    return [f.name for f in shard_files(path) if f.name not in listed]
+
+
+def open_store(path: Path | str, skip_bad_shards: bool = False) -> Store:
+    """Open a store for reading: the manifest, and one stat per listed shard (present, recorded size).
+
+    `skip_bad_shards`: check every shard fully (size, sha256, tensors: one read of the whole store) and leave the
+    damaged ones out; `store.skipped` says which, with their samples and tokens.
 
     Raises:
-        HstapError: no manifest in `path`, or an unreadable one.
+        HstapError: no manifest in `path`, an unreadable one, or (unless skipping) a missing or truncated shard,
+            named.
     """
-    return Store(*_load(path))
+    path, manifest = _load(path)
+    if not skip_bad_shards:
+        for shard in manifest.shards:
+            problem = listed_problem(path, shard)
+            if problem:
+                raise HstapError(f"store {path}: {problem}; {DAMAGED_HINT}")
+        return Store(path, manifest)
+    skipped = []
+    for shard in manifest.shards:
+        problems = _shard_problems(path, shard, manifest)
+        if problems:
+            skipped.append(SkippedShard(shard.file, problems[0], len(shard.samples), shard.num_tokens))
+    bad = {s.file for s in skipped}
+    kept = [s for s in manifest.shards if s.file not in bad]
+    store = Store(path, manifest.model_copy(update={"shards": kept, "totals": Totals.of(kept)}), skipped=skipped)
+    store._verified = set(range(len(kept)))  # every kept shard was just hashed
+    return store
 
 
 def _sha256_file(file: Path) -> str:
@@ -132,32 +239,48 @@ def _sha256_file(file: Path) -> str:
 
 def _shard_problems(path: Path, shard: ShardInfo, manifest: Manifest) -> list[str]:
     file = path / shard.file
-    if not file.is_file():
-        return [f"{shard.file}: missing"]
-    size = file.stat().st_size
-    if size != shard.bytes:
-        return [f"{shard.file}: {size} bytes on disk, manifest says {shard.bytes} (truncated or replaced)"]
+    problem = listed_problem(path, shard)
+    if problem:
+        return [problem]
     if _sha256_file(file) != shard.sha256:
         return [f"{shard.file}: sha256 mismatch (contents changed since commit)"]
     problems = []
     lengths = sum(e.length for e in shard.samples)
     if lengths != shard.num_tokens:
         problems.append(f"{shard.file}: sample lengths sum to {lengths}, manifest says num_tokens={shard.num_tokens}")
-    with safe_open(str(file), framework="pt") as f:
-        keys = set(f.keys())
-        for name, spec in manifest.tensors.items():
-            if name not in keys:
-                problems.append(f"{shard.file}: tensor {name!r} missing")
-                continue
-            shape = f.get_slice(name).get_shape()
-            if shape != [shard.num_tokens, *spec.shape]:
-                problems.append(f"{shard.file}: tensor {name!r} has shape {shape}, expected "
-                                f"{[shard.num_tokens, *spec.shape]}")
+    try:
+        f = safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 — the checksum matched a file that was never a valid shard
+        return [f"{shard.file}: not a readable safetensors file ({exc})"]
+    keys = set(f.keys())
+    for name, spec in manifest.tensors.items():
+        if name not in keys:
+            problems.append(f"{shard.file}: tensor {name!r} missing")
+            continue
+        shape = f.get_slice(name).get_shape()
+        if shape != [shard.num_tokens, *spec.shape]:
+            problems.append(f"{shard.file}: tensor {name!r} has shape {shape}, expected "
+                            f"{[shard.num_tokens, *spec.shape]}")
+    return problems
+
+
+def _manifest_problems(path: Path, manifest: Manifest) -> list[str]:
+    """What needs no shard read: totals against the shard list, and shard files the manifest does not list."""
+    problems = []
+    t, s = manifest.totals, Totals.of(manifest.shards)
+    if t != s:
+        problems.append(f"{MANIFEST_NAME}: totals say {t.samples} samples / {t.tokens} tokens / {t.bytes} bytes, "
+                        f"shards add up to {s.samples} / {s.tokens} / {s.bytes}")
+    for name in unlisted_shards(path, manifest):
+        problems.append(f"{name}: on disk but not listed in {MANIFEST_NAME}, so not part of the store (an "
+                        "interrupted commit's shard, which the next capture adopts, or the manifest is older than "
+                        "the shards)")
     return problems
 
 
 def verify_store(path: Path | str) -> list[str]:
-    """Check every listed shard (present, size, sha256, tensor shapes) and the totals; [] when all is well.
+    """Check every listed shard (present, size, sha256, tensor shapes), the totals and unlisted shard files; []
+    when all is well.
 
     Reads every byte of the store (streamed), so it costs one full pass over the disk.
     """
@@ -165,15 +288,7 @@ def verify_store(path: Path | str) -> list[str]:
     problems: list[str] = []
     for shard in manifest.shards:
         problems += _shard_problems(path, shard, manifest)
-    samples = sum(len(s.samples) for s in manifest.shards)
-    tokens = sum(s.num_tokens for s in manifest.shards)
-    nbytes = sum(s.bytes for s in manifest.shards)
-    t = manifest.totals
-    if (samples, tokens, nbytes) != (t.samples, t.tokens, t.bytes):
-        problems.append(
-            f"{MANIFEST_NAME}: totals say {t.samples} samples / {t.tokens} tokens / {t.bytes} bytes, "
-            f"shards add up to {samples} / {tokens} / {nbytes}"
-        )
+    problems += _manifest_problems(path, manifest)
     seen: dict[str, str] = {}
     for shard in manifest.shards:
         for e in shard.samples:
@@ -183,11 +298,23 @@ def verify_store(path: Path | str) -> list[str]:
     return problems
 
 
-def store_info(path: Path | str) -> dict[str, Any]:
-    """Summary for `hstap store info`, from the manifest and file sizes only (no shard is read)."""
+def store_info(path: Path | str, project: list[int] | tuple[int, ...] = PROJECT_SAMPLES) -> dict[str, Any]:
+    """Summary for `hstap store info`, from the manifest and file sizes only (no shard is read).
+
+    The counts are summed from the shard list, not copied from the manifest's totals; `problems` names every
+    listed shard that is missing or has another size than recorded (one stat each), totals that disagree with
+    the shard list, and shard files the manifest does not list. Checksums need a full read: `verify_store`.
+    `bytes_per_token` is measured: the committed shards' bytes (headers included) over their tokens.
+    `bytes_per_token_estimate` is what capture's disk estimate computes from the tensor specs
+    (`hstap.store.estimate.bytes_per_token`), `teacher_bytes_per_token` the teacher's part of it, and `projected`
+    the size of a store of N samples of this store's mean length at the measured rate."""
     path, manifest = _load(path)
-    meta, totals = manifest.meta, manifest.totals
+    meta, totals = manifest.meta, Totals.of(manifest.shards)
     on_disk = sum((path / s.file).stat().st_size for s in manifest.shards if (path / s.file).exists())
+    problems = [p for s in manifest.shards if (p := listed_problem(path, s))] + _manifest_problems(path, manifest)
+    specs = manifest.tensors or conventional_specs(meta)
+    per_token = totals.bytes / totals.tokens if totals.tokens else 0.0
+    per_sample = totals.tokens / totals.samples if totals.samples else 0.0
     return {
         "path": str(path),
         "samples": totals.samples,
@@ -198,11 +325,16 @@ def store_info(path: Path | str) -> dict[str, Any]:
         "hidden_dtype": meta.hidden_dtype,
         "teacher": str(meta.teacher),
         "tensors": {n: f"{s.dtype}{s.shape}" for n, s in manifest.tensors.items()},
-        "bytes_per_token": totals.bytes / totals.tokens if totals.tokens else 0.0,
+        "bytes_per_token": per_token,
+        "bytes_per_token_estimate": bytes_per_token(specs),
+        "teacher_bytes_per_token": bytes_per_token({n: s for n, s in specs.items() if n.startswith("teacher.")}),
+        "tokens_per_sample": per_sample,
         "bytes_on_disk": on_disk,
         "size": human_bytes(on_disk),
+        "projected": {int(n): human_bytes(projected_bytes(per_token, per_sample, n)) for n in project},
         "model_id": meta.model_id,
         "model_fingerprint": meta.model_fingerprint,
         "created": manifest.created,
         "updated": manifest.updated,
+        "problems": problems,
     }

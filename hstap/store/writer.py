@@ -7,28 +7,40 @@
                 w.add(sid, tensors)     # {"input_ids": [S], "loss_mask": [S], "hidden.14": [S, H], ...}
 
 Commit order (the crash-safety argument): shard bytes -> `shard-NNNNN.safetensors.tmp` -> fsync -> rename ->
-fsync dir -> manifest (same dance). Until the manifest lists a shard it is not part of the store; on reopen
-the writer deletes such orphans and leftover `.tmp` files and reports them in `cleaned`.
+fsync dir -> manifest (same dance). Until the manifest lists a shard it is not part of the store. On reopen the
+writer deletes leftover `.tmp` files, adopts the one unlisted shard an interrupted commit can leave (the shard after
+the last listed one, whole since it was fsynced before the rename; deleted instead if its header does not fit this
+store), reports both in `cleaned`/`notes`, and refuses any other unlisted shard rather than delete it.
+
+A shard commits when `shard_bytes` are buffered, or when its oldest sample has waited `commit_every_s` (a kill
+loses at most that much work). On reopen every listed shard must be present with its recorded size, or the writer
+refuses, naming it (`repair=True`: full checksums, damaged shards renamed `*.damaged` and their samples
+captured again). A directory whose manifest is gone is rebuilt from the shard headers (hstap.store.repair).
+A commit that fails (a full disk) removes its partial file and raises `StoreWriteError`; the buffer is kept.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
-import re
+import time
 from pathlib import Path
 from types import TracebackType
+from typing import Callable
 
 import torch
 from safetensors.torch import save as st_save
 
 from hstap.errors import HstapError
 from hstap.faults import fault_point
-from hstap.store.estimate import bytes_per_token
+from hstap.store.estimate import bytes_per_token, human_bytes
+from hstap.store.fp8 import scale_name
 from hstap.store.manifest import (
     MANIFEST_NAME,
+    SHARD_RE,
     Manifest,
     SampleEntry,
     ShardInfo,
@@ -38,18 +50,20 @@ from hstap.store.manifest import (
     atomic_write,
     dtype_name,
     load_manifest,
-    torch_dtype,
     now_iso,
     save_manifest,
+    shard_name,
+    torch_dtype,
 )
+from hstap.store.reader import _shard_problems, listed_problem
+from hstap.store.repair import adopt, interrupted_commit, rebuild_manifest, remove_tmp, set_aside
 
-SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 LOCK_NAME = ".writer.lock"
 INT32 = torch.iinfo(torch.int32)
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
+class StoreWriteError(HstapError):
+    """A commit's write failed (a full disk, an I/O error): the partial file is gone, committed shards are intact."""
 
 
 class StoreWriter:
@@ -57,18 +71,29 @@ class StoreWriter:
 
     Attributes:
         committed_ids: ids already in the store (resume: skip these); grows as shards commit.
-        cleaned: files removed on open (orphan shards, leftover `.tmp`), so the caller can report them.
+        cleaned: files removed on open (an interrupted commit's shard, leftover `.tmp`), for the caller to report.
+        notes: what else opening did (a manifest rebuilt from shard headers, damaged shards set aside), one line each.
     """
 
-    def __init__(self, path: Path | str, meta: StoreMeta, shard_bytes: int = 256 << 20) -> None:
+    def __init__(self, path: Path | str, meta: StoreMeta, shard_bytes: int = 256 << 20,
+                 commit_every_s: float | None = None, repair: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
         self.meta = meta
         self.shard_bytes = shard_bytes
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.commit_every_s = commit_every_s
+        self._clock = clock
+        self.notes: list[str] = []
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise HstapError(f"store {self.path}: cannot create the directory ({e.strerror}): expected a writable "
+                             "directory path") from None
         self._lock_fd = _lock(self.path)
         try:
             self.manifest = self._open_manifest()
-            self.cleaned = _remove_leftovers(self.path, {s.file for s in self.manifest.shards})
+            self.manifest, self.cleaned = self._tidy(self.manifest)
+            self.manifest = self._check_listed(self.manifest, repair)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -82,16 +107,57 @@ class StoreWriter:
         self._rows = 0  # tokens buffered
         self._entries: list[SampleEntry] = []
         self._buffered_ids: set[str] = set()
+        self._oldest = 0.0  # clock() when the oldest buffered sample arrived
 
     def _open_manifest(self) -> Manifest:
         file = self.path / MANIFEST_NAME
         if not file.exists():
+            rebuilt = rebuild_manifest(self.path, self.meta)
+            if rebuilt is not None:
+                self.notes.append(f"rebuilt {MANIFEST_NAME} from the headers of {len(rebuilt.shards)} shards "
+                                  f"({rebuilt.totals.samples} samples)")
             # Written now, not at first commit: a store with nothing committed still opens and reports 0 samples.
-            manifest = Manifest(meta=self.meta, created=now_iso(), updated=now_iso())
-            save_manifest(file, manifest)
+            manifest = rebuilt or Manifest(meta=self.meta, created=now_iso(), updated=now_iso())
+            self._save(manifest, MANIFEST_NAME)
             return manifest
         manifest = load_manifest(file)
         _check_same_meta(self.path, manifest.meta, self.meta)
+        return manifest
+
+    def _tidy(self, manifest: Manifest) -> tuple[Manifest, list[str]]:
+        """Remove `.tmp` leftovers; adopt the shard an interrupted commit left (or remove it, when its header
+        does not fit: it holds no committed sample); refuse any other unlisted shard rather than delete it."""
+        removed = remove_tmp(self.path)
+        after_last = interrupted_commit(self.path, manifest)
+        if after_last is not None:
+            adopted = adopt(manifest, after_last)
+            if adopted is None:
+                after_last.unlink()
+                removed.append(after_last.name)
+            else:
+                self._save(adopted, MANIFEST_NAME)
+                self.notes.append(f"kept {after_last.name}, which an interrupted commit left unlisted "
+                                  f"({len(adopted.shards[-1].samples)} samples)")
+                manifest = adopted
+        return manifest, removed
+
+    def _check_listed(self, manifest: Manifest, repair: bool) -> Manifest:
+        """Every listed shard present with its recorded size (one stat each), else refuse naming it; `repair`:
+        full checksums, and damaged shards set aside so their samples are captured again."""
+        if repair:
+            damaged = {s.file: p[0] for s in manifest.shards if (p := _shard_problems(self.path, s, manifest))}
+        else:
+            damaged = {s.file: p for s in manifest.shards if (p := listed_problem(self.path, s))}
+        if not damaged:
+            return manifest
+        if not repair:
+            first = next(iter(damaged.values()))
+            more = f" (+{len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise HstapError(f"store {self.path} cannot be resumed: {first}{more}; restore the file, or re-run with "
+                             "--repair to set damaged shards aside and capture their samples again")
+        manifest, notes = set_aside(self.path, manifest, damaged)
+        self._save(manifest, MANIFEST_NAME)
+        self.notes += notes
         return manifest
 
     def add(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -118,10 +184,15 @@ class StoreWriter:
         self._reserve(self._rows + length)
         for name, t in prepared.items():
             self._bufs[name][self._rows : self._rows + length].copy_(t)  # (S, *shape), from any device
+        if not self._entries:
+            self._oldest = self._clock()
         self._entries.append(SampleEntry(id=sample_id, offset=self._rows, length=length))
         self._buffered_ids.add(sample_id)
         self._rows += length
-        if self._rows * bytes_per_token(self.manifest.tensors) >= self.shard_bytes:
+        fault_point("sample-buffered")
+        waited = self._clock() - self._oldest
+        if (self._rows * bytes_per_token(self.manifest.tensors) >= self.shard_bytes
+                or (self.commit_every_s is not None and waited >= self.commit_every_s)):
             self._commit()
 
     def _reserve(self, rows: int) -> None:
@@ -141,6 +212,10 @@ class StoreWriter:
         """Commit whatever is buffered as one (possibly small) shard."""
         if self._entries:
             self._commit()
+
+    def discard(self) -> None:
+        """Drop what is buffered, uncommitted (after a failed commit: a resume captures those samples again)."""
+        self._entries, self._buffered_ids, self._rows = [], set(), 0
 
     def close(self) -> None:
         """Flush and release the writer lock."""
@@ -162,20 +237,24 @@ class StoreWriter:
     def _commit(self) -> None:
         entries, offset = self._entries, self._rows
         joined = {n: b[:offset] for n, b in self._bufs.items()}  # each (N_tokens, *shape), contiguous views
-        # Sample ids in the header too: a shard stays self-describing if the manifest is ever lost.
-        header = {"hstap_schema_version": "1", "samples": json.dumps([[e.id, e.offset, e.length] for e in entries])}
+        # Sample ids and capture settings in the header too: if the manifest is ever lost, the shards rebuild it.
+        header = {"hstap_schema_version": "1", "samples": json.dumps([[e.id, e.offset, e.length] for e in entries]),
+                  "meta": self.meta.model_dump_json()}
         data = st_save(joined, metadata=header)
         del joined
         digest = hashlib.sha256(data).hexdigest()
         file = shard_name(self._next_index)
-        atomic_write(self.path / file, data)
+        try:
+            atomic_write(self.path / file, data, fault="shard-write")
+        except OSError as exc:
+            raise self._write_error(exc, file, len(data)) from None
         fault_point("shard-renamed")
         shard = ShardInfo(file=file, sha256=digest, bytes=len(data), num_tokens=offset, samples=entries)
         old = self.manifest
         t = old.totals
         totals = Totals(samples=t.samples + len(entries), tokens=t.tokens + offset, bytes=t.bytes + len(data))
         manifest = old.model_copy(update={"shards": [*old.shards, shard], "totals": totals, "updated": now_iso()})
-        save_manifest(self.path / MANIFEST_NAME, manifest)
+        self._save(manifest, file)
         # Only now is the shard part of the store; update in-memory state after the manifest is durable.
         self.manifest = manifest
         self._next_index += 1
@@ -183,10 +262,38 @@ class StoreWriter:
         self._entries, self._buffered_ids, self._rows = [], set(), 0
         fault_point("shard-committed")
 
+    def _save(self, manifest: Manifest, shard: str) -> None:
+        """Write the manifest; if that fails before it names `shard`, remove the shard so no space stays taken."""
+        try:
+            save_manifest(self.path / MANIFEST_NAME, manifest)
+        except OSError as exc:
+            if SHARD_RE.match(shard) and not _lists(self.path, shard):
+                (self.path / shard).unlink(missing_ok=True)
+            raise self._write_error(exc, MANIFEST_NAME, len(manifest.model_dump_json())) from None
+
+    def _write_error(self, exc: OSError, what: str, size: int) -> StoreWriteError:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free space" if full else "make the disk writable"
+        return StoreWriteError(f"store {self.path}: {exc.strerror or exc} writing {what} ({human_bytes(size)}); "
+                               f"the partial file was removed and the store keeps its {self.manifest.totals.samples} "
+                               f"committed samples: {fix} and re-run the same command to resume")
+
+
+def _lists(path: Path, shard: str) -> bool:
+    """Whether the manifest on disk names `shard` (True when it cannot be read: then keep the shard)."""
+    try:
+        return any(s.file == shard for s in load_manifest(path / MANIFEST_NAME).shards)
+    except HstapError:
+        return True
+
 
 def _lock(path: Path) -> int:
     # Two writers appending to one store would both pick the same next shard index and clobber each other.
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise HstapError(f"store {path}: cannot create {LOCK_NAME} ({e.strerror}): expected a writable "
+                         "directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -202,18 +309,6 @@ def _check_same_meta(path: Path, stored: StoreMeta, asked: StoreMeta) -> None:
         raise HstapError(
             f"store {path} was captured with {'; '.join(diffs)}: use another --out or the same settings"
         )
-
-
-def _remove_leftovers(path: Path, listed: set[str]) -> list[str]:
-    """Delete `.tmp` files and shard files the manifest does not list; return their names (never silent)."""
-    removed = []
-    for f in sorted(path.iterdir()):
-        is_tmp = f.name.endswith(".tmp") and (f.name.startswith("shard-") or f.name == MANIFEST_NAME + ".tmp")
-        is_orphan = SHARD_RE.match(f.name) is not None and f.name not in listed
-        if f.is_file() and (is_tmp or is_orphan):
-            f.unlink()
-            removed.append(f.name)
-    return removed
 
 
 def _prepare(sample_id: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -280,4 +375,10 @@ def _check_hidden_against_meta(sample_id: str, specs: dict[str, TensorSpec], met
             raise HstapError(
                 f"sample {sample_id!r}: tensor {name!r} is {spec.dtype} {spec.shape}, the store meta says "
                 f"{meta.hidden_dtype} [{meta.hidden_size}]"
+            )
+        scale = specs.get(scale_name(name))
+        if meta.hidden_dtype == "fp8" and (scale is None or scale.dtype != "fp32" or scale.shape != []):
+            raise HstapError(
+                f"sample {sample_id!r}: fp8 tensor {name!r} needs {scale_name(name)!r} (fp32, one per token), "
+                f"got {f'{scale.dtype} {scale.shape}' if scale else 'none'}"
             )

@@ -1,7 +1,8 @@
 """Calibrate the held-out τ estimate against a measured τ, at every evaluation of a training run.
 
-The estimate (`hstap.train.ttt.estimated_tau`) comes from teacher-forced agreement on held-out answers; it is
-exact only when those answers are the target's own greedy output. The measurement decodes a few held-out prompts
+The estimate (`hstap.train.ttt.simulated_tau`) replays greedy chain decoding over teacher-forced agreement on
+held-out answers; it is exact only when those answers are the target's own greedy output at the decoding dtype
+(tests/train/test_simulated_tau.py: equal cycle for cycle in fp32). The measurement decodes a few held-out prompts
 greedily with real chain speculative decoding (`hstap.evaluate.spec.Methods`, the runtime `hstap eval` runs, all
 prompts as one batch) with the current drafter against the target, on the training device. Logged side by side with their gap, the
 two say how far the estimate of a long run can be trusted. The prompts are the training source's held-out

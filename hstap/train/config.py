@@ -7,6 +7,8 @@ shows what was picked; any of them can be set explicitly.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -25,6 +27,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     store: Path | None = option(None, "capture store to train from (offline)")
+    skip_bad_shards: bool = option(False, "check every shard's checksum first and leave damaged ones out (counted "
+                                          "and reported) instead of stopping at the first")
     online: bool = option(False, "run the target in-process; no store on disk")
     model: str = option("smollm2", "the target: 'smollm2' or a checkpoint dir")
     data: str = option("sharegpt", "(online) sharegpt | mt-bench | jsonl:PATH")
@@ -43,6 +47,9 @@ class TrainConfig(BaseModel):
                                 "--batch-tokens)", ge=1)
     ttt_steps: int | None = option(None, "training-time-test unroll length (default 7 on a GPU, 3 on a CPU)", ge=1)
     decay: float = option(0.8, "weight of TTT step k is decay**k", gt=0, le=1)
+    ttt_attention: Literal["auto", "flex", "math"] = option(
+        "auto", "TTT attention kernel: flex (fused, CUDA), math (materialised scores, exact reference), "
+        "auto = flex on CUDA")
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
                                            "on a CPU)", ge=1)
     heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
@@ -55,6 +62,9 @@ class TrainConfig(BaseModel):
     time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
                                          flag="--time-budget", metavar="DURATION", gt=0)
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
+    init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
+                                    "dir of the same target and layers; fresh optimizer and schedule)",
+                                    metavar="DIR")
     overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
                                     "are deleted first")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "

@@ -4,15 +4,18 @@ length-bucketed batch plan both share, so the same seed gives the same batches e
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
+from hstap.store.fp8 import dequantize_aux
 from hstap.train.ttt import TTTBatch, collate
 
 
@@ -43,10 +46,27 @@ class BatchSource(Protocol):
 
 def load_batch(source: SampleSource | BatchSource, indices: list[int], layer_ids: list[int],
                device: torch.device) -> TTTBatch:
-    """The batch of `indices` on `device`: a BatchSource makes it there; host samples are collated, then copied."""
+    """The batch of `indices` on `device`: a BatchSource makes it there; host samples are collated, then copied.
+    fp8 samples (hstap.store.fp8) are collated and copied as fp8 plus scales and dequantised to bf16 on `device`:
+    the host and the copy handle 1 byte per value, the device's arithmetic does the rest."""
     if isinstance(source, BatchSource):
         return source.batch(indices)
-    return collate(source.fetch(indices), layer_ids).to(device)
+    samples = source.fetch(indices)
+    batch = collate(samples, layer_ids).to(device)
+    if "hidden_scale" not in samples[0]:
+        return batch
+    scales = collate_scales(samples, layer_ids).to(device, non_blocking=True)  # (B, S, n)
+    return dataclasses.replace(batch, aux=dequantize_aux(batch.aux, scales))
+
+
+def collate_scales(samples: list[dict], layer_ids: list[int]) -> torch.Tensor:
+    """The fp8 scales of `samples`, right-padded like `collate`'s aux: (B, S, n layers) fp32, 0 at padding."""
+    longest = max(s["input_ids"].numel() for s in samples)
+    scales = torch.zeros(len(samples), longest, len(layer_ids))
+    for row, s in enumerate(samples):
+        n = s["input_ids"].numel()
+        scales[row, :n] = torch.stack([s["hidden_scale"][k] for k in layer_ids], dim=-1)  # (S, n)
+    return scales
 
 
 def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int = 32) -> dict[str, torch.Tensor]:
@@ -54,8 +74,7 @@ def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: 
     Computed where `lm_head` lives (the training device when the target sits there), returned where `hidden` was."""
     weight = lm_head.weight
     with torch.no_grad():
-        logprobs = torch.log_softmax(lm_head(hidden.to(weight.device, weight.dtype)).float(), dim=-1)
-        values, ids = logprobs.topk(k, dim=-1)
+        values, ids = topk_logprobs(lm_head(hidden.to(weight.device, weight.dtype)), k)  # (S, k) each
     return {"topk_ids": ids.to(hidden.device, torch.int32), "topk_logprobs": values.to(hidden.device, torch.float16)}
 
 
@@ -69,7 +88,7 @@ class StoreSource:
         self.lm_head = lm_head
 
     def fetch(self, indices: list[int]) -> list[dict]:
-        samples = [self.store[i] for i in indices]
+        samples = [self.store.read(i, dequantize=False) for i in indices]  # fp8 stays fp8 until `load_batch`
         for s in samples:
             if "hidden" in s["teacher"]:
                 if self.lm_head is None:
@@ -118,14 +137,17 @@ class OnlineSource:
 
 
 def _as_store_sample(sample_id: str, tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> dict:
-    """Tap output (flat names) → the nested dict `Store.__getitem__` returns."""
-    return {
+    """Tap output (flat names) → the nested dict `Store.read(i, dequantize=False)` returns."""
+    sample = {
         "id": sample_id,
         "input_ids": tensors["input_ids"].long(),
         "loss_mask": tensors["loss_mask"].bool(),
         "hidden": {k: tensors[f"hidden.{k}"] for k in layer_ids},
         "teacher": {name[8:]: t for name, t in tensors.items() if name.startswith("teacher.")},
     }
+    if f"hidden_scale.{layer_ids[0]}" in tensors:  # an fp8 tap
+        sample["hidden_scale"] = {k: tensors[f"hidden_scale.{k}"] for k in layer_ids}
+    return sample
 
 
 def split_heldout(ids: list[str], fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hstap.train.data import BatchSource, SampleSource, load_batch, plan_batches
-from hstap.train.ttt import autocast, estimated_tau, ttt_forward
+from hstap.train.ttt import autocast, estimated_tau, simulated_tau, ttt_forward
 
 
 @torch.no_grad()
@@ -13,8 +13,10 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
                      t2d_ids: torch.Tensor, cfg, device: torch.device) -> dict:
     """Teacher-forced TTT unroll over the held-out split (no grad).
 
-    Returns {"loss", "acc": [per step], "tau_est": {chain length d: τ}, "positions"}; τ for a greedy chain of d
-    drafts is 1 + mean(min(accepted run, d)) — see `estimated_tau`."""
+    Returns {"loss", "acc": [per step], "tau_est": {chain length d: τ}, "tau_per_position": {d: τ},
+    "positions"}: `tau_est` replays greedy chain decoding along each answer (`simulated_tau`, the figure to plan
+    with); `tau_per_position` is 1 + mean(min(accepted run, d)) over all positions (`estimated_tau`), which
+    overstates τ because decoding skips the easy positions it accepts."""
     if not indices:
         return {}
     was_training = drafter.training
@@ -22,11 +24,11 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
     steps = cfg.ttt_steps
     loss_sum, weight_sum = 0.0, 0.0
     correct, counted = [0] * steps, [0] * steps
-    runs, oks = [], []
+    runs, oks, sims = [], [], {d: [0.0, 0] for d in range(1, steps + 1)}
     for batch_idx in plan_batches(indices, source.lengths, cfg.batch_tokens, seed=0, epoch=0):
         batch = load_batch(source, batch_idx, layer_ids, device)
         with autocast(device):
-            out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay)
+            out = ttt_forward(drafter, batch, t2d_ids, steps, cfg.decay, cfg.ttt_attention)
         weights = [cfg.decay ** k for k in range(steps)]
         losses, hits, positions = out.stats.tolist()  # one read-back per batch
         loss_sum += sum(w * l * n for w, l, n in zip(weights, losses, positions))
@@ -35,12 +37,20 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
         counted = [a + int(b) for a, b in zip(counted, positions)]
         runs.append(out.run_lengths.flatten().cpu())
         oks.append(out.run_valid.flatten().cpu())
+        answer = (batch.loss_mask & batch.valid).cpu()
+        for d in sims:  # τ·cycles adds up over batches: keep the sums
+            tau_d, cycles = simulated_tau(out.run_lengths.cpu(), answer, d)
+            if cycles:
+                sims[d][0] += tau_d * cycles
+                sims[d][1] += cycles
     drafter.train(was_training)
     run_len, run_ok = torch.cat(runs), torch.cat(oks)
-    tau = {d: estimated_tau(run_len, run_ok, d)[0] for d in range(1, steps + 1)}
+    per_position = {d: estimated_tau(run_len, run_ok, d)[0] for d in range(1, steps + 1)}
+    tau = {d: (total / cycles if cycles else float("nan")) for d, (total, cycles) in sims.items()}
     return {
         "loss": loss_sum / max(weight_sum, 1e-9) * sum(cfg.decay ** k for k in range(steps)),
         "acc": [c / n if n else float("nan") for c, n in zip(correct, counted)],
         "tau_est": tau,
+        "tau_per_position": per_position,
         "positions": counted[0],
     }

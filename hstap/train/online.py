@@ -7,12 +7,12 @@
 The capture path (`OnlineSource`: the Tap's gather, pinned host copies, per-sample dicts, `collate`, then the copy
 back to the device) exists to write a store; a trainer in the same process needs none of it. Here forward hooks
 on the aux layers copy each layer's output straight into its slice of the batch's `aux` (in the storage dtype);
-the final normed hidden state of the real tokens goes through `lm_head` a chunk of positions at a time
-(log-softmax, top-k), so the full-vocabulary log-probs of the whole batch never exist at once; the top-k lands in
-the batch's teacher tensors. The result equals `collate(OnlineSource(...).fetch(indices))` up to rounding (tested
-on SmolLM2): the same right-padded batch (causal, without the padding mask it does not need), the same dtypes
-(teacher log-probs rounded to fp16, as a store holds them), zeros / -inf at padding. The batch plan is the
-caller's (`plan_batches`), so offline and online batches agree.
+the final normed hidden state of the real tokens goes through `lm_head` a chunk of positions at a time (top-k of
+the logits plus a chunked log-sum-exp, `hstap.capture.teacher`), so no full-vocabulary log-probs ever exist; the
+top-k lands in the batch's teacher tensors. The result equals `collate(OnlineSource(...).fetch(indices))` up to
+rounding (tested on SmolLM2): the same right-padded batch (causal, without the padding mask it does not need), the
+same dtypes (teacher log-probs rounded to fp16, as a store holds them), zeros / -inf at padding. The batch plan is
+the caller's (`plan_batches`), so offline and online batches agree.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from hstap.capture.hf import decoder_layers, text_decoder
 from hstap.capture.hooks import first_tensor
+from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec, torch_dtype
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
@@ -83,10 +84,9 @@ def topk_teacher(states: torch.Tensor, head: torch.nn.Module, k: int, chunk: int
     ids = torch.empty(states.shape[0], k, dtype=torch.long, device=states.device)
     values = torch.empty(states.shape[0], k, dtype=torch.float32, device=states.device)
     for start in range(0, states.shape[0], chunk):
-        logprobs = torch.log_softmax(head(states[start:start + chunk]).float(), dim=-1)  # (c, V)
-        top = logprobs.topk(k, dim=-1)  # (c, k)
-        ids[start:start + chunk] = top.indices
-        values[start:start + chunk] = top.values.to(torch.float16)
+        top_lp, top_ids = topk_logprobs(head(states[start:start + chunk]), k)  # (c, k) each
+        ids[start:start + chunk] = top_ids
+        values[start:start + chunk] = top_lp.to(torch.float16)
     return ids, values
 
 

@@ -80,7 +80,12 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
         return source, layer_ids, teacher
     from hstap.store import open_store
 
-    store = open_store(cfg.store)
+    store = open_store(cfg.store, skip_bad_shards=cfg.skip_bad_shards)
+    if store.skipped:
+        s = store.skipped
+        tqdm.write(f"hstap train: skipped {len(s)} damaged shards of {len(s) + len(store.manifest.shards)} "
+                   f"({sum(x.samples for x in s)} samples, {sum(x.tokens for x in s)} tokens left out): "
+                   + "; ".join(x.problem for x in s))
     meta = store.manifest.meta
     if len(store) == 0:
         raise HstapError(f"store {cfg.store} is empty: run `hstap capture --out {cfg.store}` first")
@@ -98,6 +103,8 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
 def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
     names = set(manifest.tensors)
     needed = {"input_ids", "loss_mask", *(f"hidden.{k}" for k in layer_ids)}
+    if manifest.meta.hidden_dtype == "fp8":
+        needed |= {f"hidden_scale.{k}" for k in layer_ids}
     teacher = {"teacher.topk_ids", "teacher.topk_logprobs"} if manifest.meta.teacher.kind == "topk" \
         else {"teacher.hidden"}
     missing = sorted((needed | teacher) - names)
@@ -105,18 +112,24 @@ def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
         raise HstapError(f"store {path}: missing tensor(s) {missing} (has {sorted(names)}); re-capture it")
 
 
-def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str) -> None:
-    """A resumed run must read the same layers of the same target as the drafter it continues."""
+def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str,
+                             flag: str = "--resume") -> None:
+    """A resumed (or initialised) run must read the same layers of the same target as the drafter it continues."""
     prior = DrafterConfig.load(out / "config.json")
     for field, mine, now in [("aux_layer_ids", prior.aux_layer_ids, layer_ids),
                              ("target_hidden_size", prior.target_hidden_size, hidden_size),
                              ("target_fingerprint", prior.target_fingerprint, fingerprint)]:
         if mine != now:
-            raise HstapError(f"--resume: drafter in {out} has {field}={mine}, the training data give {now}")
+            raise HstapError(f"{flag}: drafter in {out} has {field}={mine}, the training data give {now}")
 
 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
+    if cfg.init_from is not None:  # a drafter trained earlier (another session, a smaller set) keeps learning
+        _check_resume_compatible(Path(cfg.init_from), layer_ids, target.hidden_size, target.fingerprint,
+                                 flag="--init-from")
+        drafter = Eagle3Drafter.from_pretrained(cfg.init_from, target.model).float()
+        return drafter  # its own draft vocabulary: the head's rows are those tokens
     vocab = target.model.config.vocab_size
     size = min(cfg.draft_vocab, vocab)
     masks = (dict(zip(("input_ids", "loss_mask"), source.token_masks(i)))
@@ -213,7 +226,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     drafter = _build_drafter(cfg, target, source, train_idx, layer_ids).to(device)
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     batches_per_step = dist.world_size * cfg.grad_accum  # batches in one optimizer step, all ranks together
 
     def epoch_plan(epoch: int) -> list[list[int]]:
@@ -223,7 +237,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay))
+    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention))
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)

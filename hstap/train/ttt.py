@@ -5,6 +5,10 @@ Step k reads its own step-(k-1) output at t and token t+1+k, sits at rotary posi
 step-0 keys of positions ≤ t plus its own chain's keys of steps 1..k at t — what a chain draft from t sees at
 inference. Its teacher is the target's distribution at t+1+k (over token t+2+k), counted only where token t+2+k
 is an assistant token and the target's argmax is in the draft vocabulary. Step k's loss is weighted decay**k.
+
+Memory per step stays linear in the sequence: attention runs a fused causal kernel over the step-0 keys and merges
+the diagonal keys by log-sum-exp (`hstap.train.attention`; no (B, nh, S, S) scores on CUDA), and `lm_head` is fused
+with the loss a block of positions at a time (`hstap.train.loss`; no (B, S, Vd) logits kept for the backward).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 from torch import nn
 
 from hstap.drafter.model import Eagle3Drafter
+from hstap.train.attention import TTTAttention
+from hstap.train.loss import head_soft_cross_entropy
 
 
 @dataclass
@@ -73,33 +79,6 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-class TTTAttention:
-    """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int):
-        self.rep = num_heads // num_kv_heads
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.future: torch.Tensor | None = None  # (S, S) bool, True above the diagonal
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.keys.append(k.repeat_interleave(self.rep, dim=1))  # (B, nh, S, hd)
-        self.values.append(v.repeat_interleave(self.rep, dim=1))
-        s = q.shape[2]
-        if self.future is None or self.future.shape[0] != s:
-            self.future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # (S, S) keys after t
-        # The (B, nh, S, S) scores dominate this function's memory traffic (on a GPU, its time), so each pass over
-        # them counts: scale q instead of the scores, mask in place, upcast inside softmax.
-        q = q * q.shape[-1] ** -0.5  # (B, nh, S, hd)
-        prefix = (q @ self.keys[0].transpose(-1, -2)).masked_fill_(self.future, float("-inf"))  # (B, nh, S, S)
-        diag = [(q * key).sum(-1, keepdim=True) for key in self.keys[1:]]  # each (B, nh, S, 1)
-        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-        out = weights[..., :s] @ self.values[0]  # (B, nh, S, hd)
-        for i, value in enumerate(self.values[1:]):
-            out = out + weights[..., s + i: s + i + 1] * value
-        return out
-
-
 def soft_cross_entropy(logits: torch.Tensor, target_draft_ids: torch.Tensor, target_probs: torch.Tensor,
                        weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """THE drafter loss: −Σ p·log q against a sparse teacher, averaged over positions with weight 1.
@@ -152,10 +131,11 @@ class TTTOutput:
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int = 7,
-                decay: float = 0.8) -> TTTOutput:
-    """Unroll `steps` draft steps over the whole batch; see the module docstring for the alignment."""
+                decay: float = 0.8, attention: str = "auto") -> TTTOutput:
+    """Unroll `steps` draft steps over the whole batch; see the module docstring for the alignment.
+    `attention`: the TTTAttention backend (auto = a fused kernel on CUDA, materialised scores elsewhere)."""
     cfg = drafter.config
-    attend = TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads)
+    attend = TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads, attention)
     b, s = batch.input_ids.shape
     positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
     hidden = drafter.project(batch.aux)  # (B, S, H)
@@ -163,16 +143,18 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     stats, hits, countable = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
-        hidden, logits = drafter.step(tokens, hidden, positions + k, attend)  # logits (B, S, Vd)
+        hidden = drafter.layer_step(tokens, hidden, positions + k, attend)  # (B, S, H)
         teacher_ids = shift_left(batch.topk_ids, 1 + k, 0)  # target distribution at t+1+k
         teacher_lp = shift_left(batch.topk_logprobs, 1 + k, float("-inf"))
         draft_ids, probs, argmax_inside = teacher_in_draft_vocab(teacher_ids, teacher_lp, t2d_ids)
         predicted_is_answer = shift_left(batch.loss_mask & batch.valid, 2 + k, False)  # token t+2+k
         weight = predicted_is_answer & argmax_inside & batch.valid
-        loss, count = soft_cross_entropy(logits, draft_ids, probs, weight)
+        # = soft_cross_entropy(lm_head(norm(hidden)), ...), one block of positions at a time (hstap.train.loss)
+        loss, count, predicted = head_soft_cross_entropy(drafter.norm(hidden), drafter.lm_head.weight, draft_ids,
+                                                         probs, weight)  # predicted (B, S) draft ids
         total = total + (decay ** k) * loss
         with torch.no_grad():
-            hit = (logits.argmax(-1) == draft_ids[..., 0]) & weight
+            hit = (predicted == draft_ids[..., 0]) & weight
             stats.append(torch.stack([loss.detach().double(), hit.sum().double(), count.double()]))  # (3,)
         hits.append(hit)
         countable.append(weight)
@@ -208,17 +190,53 @@ def estimated_tau(run_lengths: torch.Tensor, run_valid: torch.Tensor, draft_toke
     return 1.0 + float(accepted.mean()), n
 
 
+def simulated_tau(run_lengths: torch.Tensor, answer: torch.Tensor, draft_tokens: int,
+                  max_new_tokens: int | None = None) -> tuple[float, int]:
+    """Acceptance length of greedy chain decoding with `draft_tokens` drafts, replayed along each held-out answer.
+
+    `estimated_tau` averages over every position, but decoding does not visit every position: a cycle that
+    accepts a drafts jumps a + 1 tokens ahead, so easy stretches are crossed in few cycles and hard ones token by
+    token. Replaying the jumps weights positions as decoding does (the 2026-12-01 GPU run: per-position 2.21
+    against a measured 1.90 on the same kind of prompts). Each answer segment (a run of answer tokens, one per
+    turn) starts as decoding does: its first token comes from the prefill; with token c the last one committed,
+    a cycle is step 0 at position c − 1 (it predicts token c + 1). Exact for greedy decoding when the answers are
+    the target's own greedy output and the drafter computes what it computed here.
+
+    run_lengths (B, S): consecutive correct steps from step 0 (`TTTOutput.run_lengths`); answer (B, S) bool:
+    answer tokens (loss mask and not padding). `max_new_tokens` cuts each answer where a run with that limit
+    stops (the last cycle counts what it kept, as the runtime's τ does). Returns (τ, cycles)."""
+    runs = run_lengths.clamp(max=draft_tokens).tolist()
+    tokens = cycles = 0
+    for row_runs, row_answer in zip(runs, answer.tolist()):
+        s, p = len(row_answer), 0
+        while p < s:
+            if not row_answer[p]:
+                p += 1
+                continue
+            q = p
+            while q < s and row_answer[q]:
+                q += 1  # one answer segment: tokens [p, q)
+            c = max(p, 1)  # the last committed token (the prefill's)
+            end = q - 1 if max_new_tokens is None else min(q - 1, p + max_new_tokens - 1)
+            while c < end:
+                produced = min(row_runs[c - 1] + 1, end - c)  # accepted drafts + the bonus, cut at the end
+                tokens, cycles, c = tokens + produced, cycles + 1, c + produced
+            p = q
+    return (tokens / cycles if cycles else float("nan")), cycles
+
+
 class TTTModel(nn.Module):
     """`ttt_forward` as a module, so DistributedDataParallel sees one forward per step; returns tensors only."""
 
-    def __init__(self, drafter: Eagle3Drafter, t2d_ids: torch.Tensor, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, t2d_ids: torch.Tensor, steps: int, decay: float,
+                 attention: str = "auto"):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("t2d_ids", t2d_ids, persistent=False)
-        self.steps, self.decay = steps, decay
+        self.steps, self.decay, self.attention = steps, decay, attention
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay)
+        out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay, self.attention)
         return out.loss, out.stats, out.run_lengths, out.run_valid
 
 

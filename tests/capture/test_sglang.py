@@ -77,9 +77,9 @@ def _server_args(capsys, out, dtype: str = "fp32", model: str = "smollm2") -> ar
     return parser.parse_args(["--model-path", "unused", *shlex.split(printed)])
 
 
-def _tapped(target, contract, capsys, out, samples, served=None):
+def _tapped(target, contract, capsys, out, samples, served=None, dtype="fp32"):
     model = _model(target, contract)
-    args = _server_args(capsys, out, model=(served or {}).get(contract, "smollm2"))
+    args = _server_args(capsys, out, dtype=dtype, model=(served or {}).get(contract, "smollm2"))
     out.mkdir(parents=True, exist_ok=True)
     with open(out / REQUESTS_NAME, "w") as f:  # what `hstap capture-remote` announces before sending
         for s in samples:
@@ -155,6 +155,25 @@ def test_chunked_prefill_is_stitched_without_request_ids(target, capsys, tmp_pat
     assert compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999).only_a == []
     cmp = compare_stores(convs[1], out, rtol=1e-5, min_cos=0.99999)
     assert cmp.common == 2 and not cmp.token_mismatch and all(s.max_rel < 1e-5 for s in cmp.tensors.values())
+
+
+def test_fp8_capture_stitches_chunks_and_matches_within_fp8s_step(target, capsys, tmp_path, convs, samples):
+    """`--dtype fp8` through SGLang's hooks: chunks of one request are quantised separately (per token, so the
+    stitched sample equals a whole-request capture) and the hidden teacher stays bf16."""
+    out = tmp_path / "cap"
+    model = _tapped(target, "stream", capsys, out, samples, dtype="fp8")
+    long = samples[1].input_ids
+    model(extend_batch([("x", long[:20], 0), ("y", samples[2].input_ids, 0)], rids=False))
+    model(extend_batch([("x", long[20:], 20), ("z", samples[0].input_ids, 0)], rids=False))
+    report = _finish(out)
+    assert report["captured"] == 3 and report["errors"] == 0, report
+    tensors = open_store(out).manifest.tensors
+    assert tensors["hidden.14"].dtype == "fp8" and tensors["hidden_scale.14"].dtype == "fp32"
+    assert tensors["teacher.hidden"].dtype == "bf16"
+    cmp = compare_stores(convs[1], out)  # the fp32 transformers capture: only fp8's rounding apart
+    assert cmp.common == 3 and not cmp.token_mismatch and cmp.tensors["hidden.14"].rtol == 0.125
+    assert all(s.max_rel <= s.rtol and s.min_cos >= s.cos_floor for s in cmp.tensors.values()), cmp.verdict()
+    assert cmp.tensors["teacher.hidden"].max_rel < 8e-3, "bf16, not fp8"
 
 
 def test_prefix_cache_hit_is_refused_not_stored(target, capsys, tmp_path, samples):

@@ -59,6 +59,30 @@ def test_mixed_batches_equal_the_transformers_capture(worker, target, convs, sam
     assert not any(layer._forward_hooks for layer in model.model.layers)  # remove_taps took them off
 
 
+def test_fp8_capture_through_the_extension(target, tmp_path, convs, samples, monkeypatch):
+    """`--dtype fp8` via `install_taps`: a chunked request and a decode row in one step; fp8 within its step of
+    the fp32 transformers capture, scales stored, the hidden teacher bf16."""
+    monkeypatch.setattr(hv, "forward_info", lambda: VLLM_INFO[0])
+    out = tmp_path / "cap"
+    out.mkdir()
+    (out / REQUESTS_NAME).write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids,
+                                                         "loss_mask": s.loss_mask}) + "\n" for s in samples))
+    w = FakeWorker(VllmCausalLM(target.model))
+    w.install_taps(EngineCaptureConfig.for_checkpoint("smollm2", LAYERS, out, "vllm", dtype="fp8").model_dump_json())
+    model = w.model_runner.model
+    s0, s1 = samples[0].input_ids, samples[1].input_ids
+    vllm_step(model, [("a", s0, 0), ("b", s1[:25], 0)])
+    vllm_step(model, [("a", [7], len(s0)), ("b", s1[25:], 25)])
+    report = json.loads(w.remove_taps())[str(out.resolve())]
+    assert report["captured"] == 2 and report["errors"] == 0, report
+    tensors = open_store(out).manifest.tensors
+    assert tensors["hidden.29"].dtype == "fp8" and tensors["hidden_scale.29"].dtype == "fp32"
+    assert tensors["teacher.hidden"].dtype == "bf16"
+    cmp = compare_stores(convs[1], out)
+    assert cmp.common == 2 and not cmp.token_mismatch, cmp.verdict()
+    assert all(s.max_rel <= s.rtol and s.min_cos >= s.cos_floor for s in cmp.tensors.values()), cmp.verdict()
+
+
 def test_prefix_cache_hit_is_refused(worker, samples):
     w, out, config = worker
     model = w.model_runner.model

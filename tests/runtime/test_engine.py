@@ -177,3 +177,23 @@ def test_chunked_prefill_equals_one_forward(target, monkeypatch):
     chunked = run()
     torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked[1], whole[1], rtol=1e-5, atol=1e-5)
+
+
+def test_an_evicted_slot_frees_its_cache_before_the_next_is_allocated(target, prompts):
+    """Synth on the H200 ran out of memory twice (2026-12-01): an evicted slot stayed alive — the runtime still
+    pointed at it, and its graphs refer back to it — so its cache (up to ~50 GB) sat beside the new one."""
+    import gc
+    import weakref
+
+    stepper = Runtime(target.model, batch_size=2, max_len=1024, cuda_graphs=False, len_bucket=64, max_slots=1,
+                      rehearse=True)
+    gc.disable()  # only the runtime's own collection may free the cycle
+    try:
+        _decode(target, stepper, [Request(p, 4) for p in prompts[:2]])  # graphs built on this slot
+        old = weakref.ref(stepper.slot.kv.data)
+        long_prompt = [prompts[0] * 4]
+        _decode(target, stepper, [Request(long_prompt[0], 4)])  # another length bucket: the first slot goes
+        assert len(stepper.slots) == 1
+        assert old() is None, "the evicted slot's KV cache is still alive"
+    finally:
+        gc.enable()

@@ -28,7 +28,7 @@ def _generate(runtime, drafter, target, prompts, shape, propose=None, max_new=MA
     return dec.generate(prompts, max_new, set(target.stop_ids), target.tokenizer.pad_token_id)
 
 
-@pytest.mark.parametrize("shape", ["chain:3", "tree:4,3,10"])
+@pytest.mark.parametrize("shape", ["chain:3", "tree:4,3,10", "hybrid:3"])
 def test_greedy_equals_plain_decoding(runtime, target, drafter, prompts, references, shape):
     """Real drafting (nearly always rejected by the untrained drafter), two rows of different lengths; the
     oracle test below runs all four through the same loop with long acceptances."""
@@ -38,7 +38,7 @@ def test_greedy_equals_plain_decoding(runtime, target, drafter, prompts, referen
         assert len(row.accepted) == len(row.emitted) and sum(row.emitted) == 9
 
 
-@pytest.mark.parametrize("shape", ["vanilla", "ngram:2", "chain:3", "tree:4,3,12"])
+@pytest.mark.parametrize("shape", ["vanilla", "ngram:2", "chain:3", "tree:4,3,12", "hybrid:3,2"])
 def test_graph_path_bookkeeping(target, drafter, prompts, references, shape):
     """What the CUDA path does besides capturing — warm-up runs of every graph body with the state restored,
     attention over the whole cache, one cycle launched ahead — leaves the output unchanged (rows of 2; chain
@@ -52,7 +52,7 @@ def test_graph_path_bookkeeping(target, drafter, prompts, references, shape):
             gens = decode(runtime, [Request(p, 10) for p in prompts[2:]], 0, target.stop_ids, "cpu")
         assert [g.tokens + ([g.stop_token] if g.stop_token is not None else []) for g in gens] == want
         return
-    oracle = None if shape.startswith("ngram") else Oracle(prompts[2:], want, target.model.config.vocab_size, 3)
+    oracle = None if shape.startswith(("ngram", "hybrid")) else Oracle(prompts[2:], want, target.model.config.vocab_size, 3)
     rows = _generate(runtime, drafter, target, prompts[2:], shape, propose=oracle, max_new=10)
     assert [r.tokens for r in rows] == want
     assert ("verify", (shape, 0)) in runtime.slot.graphs
@@ -144,6 +144,25 @@ def test_ngram_accepts_repeated_text(runtime, target):
     (row,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
     assert row.tokens == ref
     assert max(row.accepted) >= 3 and sum(row.emitted) / len(row.emitted) > 1.5
+
+
+def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, drafter):
+    """The untrained drafter's chain is nearly never accepted; where the target repeats its prompt, the hybrid
+    shape drafts what prompt lookup drafts there (`hybrid:4,1`: wherever any suffix matched, as `ngram:4` does),
+    so it accepts like `ngram:4` — with the output unchanged."""
+    from hstap.data import render_prompt
+    from tests.runtime.conftest import greedy_reference
+
+    text = "one two three four five six seven eight nine ten"
+    prompt = render_prompt([{"role": "user", "content": f"Repeat exactly, three times: {text}"}], target.tokenizer)
+    ref = greedy_reference(target.model, prompt, 40, set(target.stop_ids))
+    (lookup,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
+    (hybrid,) = _generate(runtime, drafter, target, [prompt], "hybrid:4,1", max_new=40)
+    (chain,) = _generate(runtime, drafter, target, [prompt], "chain:4", max_new=40)
+    assert hybrid.tokens == ref == chain.tokens
+    tau = {name: sum(r.emitted) / len(r.emitted) for name, r in [("ngram", lookup), ("hybrid", hybrid),
+                                                                  ("chain", chain)]}
+    assert tau["hybrid"] >= tau["ngram"] - 0.1 and tau["hybrid"] > tau["chain"] + 0.5, tau
 
 
 def test_extend_tokens_stops_at_stop_token_and_limit():

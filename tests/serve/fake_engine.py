@@ -3,7 +3,10 @@
 MODE `hang`: prints SGLang-like loading lines, announces warmup, starts two workers that spin (one of them in its
 own session, out of the process group, as a detached scheduler would be) and then busy-loops itself.
 MODE `crash`: prints loading lines and dies with a traceback, exit code 3.
-MODE `healthy`: prints SGLang's ready line and answers GET /health on --port; one idle worker child.
+MODE `healthy`: prints SGLang's ready line and answers GET /health on --port; two idle worker children, one of
+them in its own session (out of the process group).
+MODE `silent`: `healthy`, after the line hstap's own taps print when their hooks never fire.
+MODE `liar`: prints SGLang's ready line but never listens (another process's server may answer on its port).
 MODE `nomatch` / `twomatch`: `healthy`, after logging what SGLang 0.5.23's hook_manager logs for the
 `--forward-hooks` specs it was given: every spec registered on its first pattern, except the last spec, which
 matched no module (`nomatch`), or the first spec, registered on a second module too (`twomatch`); each such
@@ -67,9 +70,15 @@ def main() -> None:
         worker("while True: pass")
         worker("while True: pass", detach=True)
         spin_forever()
+    if mode == "liar":
+        print("The server is fired up and ready to roll!", flush=True)
+        time.sleep(300)  # bounded: a fake engine never outlives a test run by much
     if mode in ("nomatch", "twomatch"):
         log_hook_registration(json.loads(args.forward_hooks), mode)
-    if mode in ("healthy", "nomatch", "twomatch"):
+    if mode == "silent":
+        print("hstap capture: error: the capture hooks on model.layers.1 (hidden.1) never fired in 4 prefill "
+              "requests, so nothing was captured", file=sys.stderr, flush=True)
+    if mode in ("healthy", "nomatch", "twomatch", "silent"):
         from http.server import BaseHTTPRequestHandler, HTTPServer
 
         class Health(BaseHTTPRequestHandler):
@@ -89,6 +98,7 @@ def main() -> None:
                 pass
 
         worker("import time; time.sleep(600)")
+        worker("import time; time.sleep(600)", detach=True)
         server = HTTPServer(("127.0.0.1", args.port), Health)
         print("The server is fired up and ready to roll!", flush=True)
         deadline = time.monotonic() + 300  # bounded: a fake engine never outlives a test run by much

@@ -78,6 +78,20 @@ def test_missing_samples_and_different_tokens_are_reported(tmp_path, meta):
     assert "1 samples only in A, 2 only in B" in c.verdict() and "'s1'" in c.verdict()
 
 
+def test_extra_samples_with_every_common_one_matching_is_not_a_mismatch(tmp_path, meta, capsys):
+    write_samples(tmp_path / "a", meta, range(5))
+    write_samples(tmp_path / "b", meta, range(8))
+    c = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert c.common_match and not c.ok and c.status == "common-match"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 3
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("verdict: COMMON MATCH — all 5 common samples match")
+    assert verdict.endswith("0 samples only in A, 3 only in B, not compared") and "MISMATCH" not in verdict
+    assert main(["compare", str(tmp_path / "b"), str(tmp_path / "a"), "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "common-match" and report["ok"] is False and len(report["only_a"]) == 3
+
+
 def test_not_a_store_is_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2

@@ -46,8 +46,9 @@ def test_truncated_shard(store_dir):
 
 def test_missing_shard(store_dir):
     f = _shard(store_dir, 0)
+    listed = len(open_store(store_dir).manifest.shards[0].samples)
     f.unlink()
-    assert verify_store(store_dir) == [f"{f.name}: missing"]
+    assert verify_store(store_dir) == [f"{f.name}: missing ({listed} samples listed in it)"]
 
 
 def test_totals_mismatch(store_dir):
@@ -69,9 +70,12 @@ def test_manifest_lengths_disagree_with_shard(store_dir):
     assert problems and all(p.startswith(shard["file"]) for p in problems)
 
 
-def test_unlisted_files_are_not_problems(store_dir):
-    (store_dir / "shard-00077.safetensors").write_bytes(b"junk")
+def test_unlisted_shard_is_reported_other_files_are_not(store_dir):
+    (store_dir / "notes.txt").write_text("a user's file")
     assert verify_store(store_dir) == []
+    (store_dir / "shard-00077.safetensors").write_bytes(b"junk")
+    problems = verify_store(store_dir)
+    assert len(problems) == 1 and problems[0].startswith("shard-00077.safetensors: on disk but not listed")
 
 
 def test_bytes_per_token_matches_disk(store_dir, meta):

@@ -210,3 +210,27 @@ def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_
 
     more = cfg.model_copy(update={"resume": True})  # the checkpoint holds the fitted total: nothing left to do
     assert run_train(more, progress=False).steps == steps
+
+
+def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
+    """`--init-from` starts where an earlier run (another device session, a smaller set) ended: its weights and
+    its draft vocabulary, loaded from the bf16 copy without the embedding that travels between machines."""
+    first = run_train(TrainConfig(store=small_store, out=tmp_path / "a", max_steps=3, batch_tokens=768, **FAST),
+                      progress=False)
+    shipped = first.drafter.to(torch.bfloat16)
+    shipped.save_pretrained(tmp_path / "shipped", include_embedding=False)
+    # a draft-vocab size the first run did not use: the initialised drafter keeps its own vocabulary
+    # one step at a vanishing learning rate: what it started from, the shipped weights
+    again = run_train(TrainConfig(store=small_store, out=tmp_path / "b", max_steps=1, batch_tokens=768, lr=1e-12,
+                                  init_from=tmp_path / "shipped", **{**FAST, "draft_vocab": 1024}), progress=False)
+    assert torch.equal(again.drafter.d2t, first.drafter.d2t)
+    for name, value in shipped.trainable_state_dict().items():
+        expected = value.float() if value.is_floating_point() else value  # d2t, t2d: exact
+        torch.testing.assert_close(again.drafter.trainable_state_dict()[name].cpu(), expected, rtol=0, atol=1e-9)
+
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "shipped", other)
+    cfg_json = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg_json, "aux_layer_ids": [2, 14, 26]}))
+    with pytest.raises(HstapError, match=r"--init-from: drafter in .* has aux_layer_ids=\[2, 14, 26\]"):
+        run_train(TrainConfig(store=small_store, out=tmp_path / "c", init_from=other, **FAST), progress=False)

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# The GPU recipe in one device session on 1 or 2 H200s: issue 12's larger data set and drafter; with two GPUs
+# also issue 14's loss-curve comparison (2 GPUs vs 1 GPU with --grad-accum 2, and a 2-GPU run preempted and
+# resumed on 1 GPU) and a drafter on a third of the data. Uses the helpers of bench/h200_session.sh.
+#
+#   bash bench/h200_recipe.sh start     # after .gpu/1 is unpacked: set up, then run everything detached
+#   bash bench/h200_recipe.sh status    # any later call: progress; results (and, once, the data) into $OUT
+#
+# R1 prompts on GPU 0 (ShareGPT every turn, Magpie, stdlib code; PROMPTS total) [B3 on both GPUs meanwhile];
+# R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
+#    prompts and answers come back compressed through $OUT);
+# R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
+# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, tree 8,8,60) at batch 1.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/h200_session.sh" source
+SYNTH_S=${SYNTH_S:-400}
+TRAIN_BUDGET=${TRAIN_BUDGET:-330s}
+PROMPTS=${PROMPTS:-20000}
+
+data_out() {  # prompts + answers, xz-compressed, in 15 MB parts: they travel back once (status moves them)
+  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
+  (cd "$RUN" && tar cf - prompts.jsonl prompts.jsonl.provenance.json synth[0-9].jsonl synth[0-9].jsonl.* 2>/dev/null \
+    | xz -T 16 -6 | split -b 15m -d -a 2 - pack/data.tar.xz.part)
+  mv "$RUN"/pack/* "$RUN/out/"  # whole parts only: a status call never moves a part still being written
+}
+
+ship_drafter() {  # ship_drafter NAME: $RUN/NAME as a bf16 copy without the target's embedding (~29 MB, what
+  # `hstap train --init-from` and a reference drafter take), xz parts that travel back once
+  $PY - "$RUN/$1" "$RUN/$1_bf16" <<'PYEOF'
+import sys, torch
+from hstap.drafter import Eagle3Drafter
+drafter = Eagle3Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16)
+drafter.save_pretrained(sys.argv[2], include_embedding=False)
+PYEOF
+  mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
+  (cd "$RUN" && tar cf - "$1_bf16" "$1/metrics.jsonl" "$1/train_config.json" 2>/dev/null \
+    | xz -T 16 -1 | split -b 15m -d -a 2 - "pack/$1.tar.xz.part")
+  mv "$RUN"/pack/* "$RUN/out/"
+}
+
+phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and the one-third-data drafter
+  wait_assets
+  local P="$RUN/prompts.jsonl"
+  mkdir -p "$RUN/results" "$RUN/figs"
+  # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
+  lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" \
+    --source sharegpt:8 --source magpie:6 --source code:6 --device cuda --batch-size 256
+  if [ "$NGPU" -gt 1 ]; then
+    b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
+      --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
+  fi
+  wait
+  bundle
+  # R2: synth of the shuffled set (sources are written in blocks; a time-boxed run must see all of them), split
+  # over the GPUs by line parity; `hstap synth` resumes where a stopped run left off
+  $PY -c "import random, sys; lines = open(sys.argv[1]).readlines(); random.Random(0).shuffle(lines); \
+open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
+  for g in $(seq 0 $((NGPU - 1))); do
+    awk "NR % $NGPU == $g" "$RUN/shuffled.jsonl" > "$RUN/p$g.jsonl"
+    step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      timeout -s INT "$SYNTH_S" $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" --turns all \
+      --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 &
+  done
+  wait
+  cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
+  $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
+import json, sys, collections
+n, tokens, by = 0, 0, collections.Counter()
+for line in open(sys.argv[1]):
+    r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0)
+    by[r.get("source") or str(r.get("id", "?")).split("-")[0]] += 1
+print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
+PYEOF
+  cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
+  data_out
+  bundle
+  # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --lr 2e-3 --epochs 30 --time-budget $TRAIN_BUDGET --calib-prompts 4"
+  lane step r3_train $TR --nproc_per_node "$NGPU" -m hstap.cli $T --data "jsonl:$RUN/synth.jsonl" \
+    --out "$RUN/drafter"
+  if [ "$NGPU" -gt 1 ]; then
+    local n; n=$(wc -l < "$RUN/synth.jsonl")
+    head -n $((n / 3)) "$RUN/synth.jsonl" > "$RUN/synth_third.jsonl"
+    step r3_train_third env CUDA_VISIBLE_DEVICES=1 $HSTAP $T --data "jsonl:$RUN/synth_third.jsonl" \
+      --out "$RUN/drafter_third"
+  fi
+  wait
+  step r3_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
+  ship_drafter drafter
+  for d in drafter drafter_third; do
+    cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null
+    cp "$RUN/$d/config.json" "$RUN/results/$d.config.json" 2>/dev/null
+  done
+  cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
+  bundle
+  # R4: MT-bench (vanilla, n-gram, chain 3, tree 8,8,60; batch 1), the one-third drafter beside it on GPU 1
+  lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
+    --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl"
+  if [ "$NGPU" -gt 1 ]; then
+    step r4_spec_third env CUDA_VISIBLE_DEVICES=1 $PY bench/spec_decode.py --drafter "$RUN/drafter_third" \
+      --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
+  fi
+  wait
+  bundle
+  echo "$(date +%T) ALL DONE" >> "$RUN/progress"
+}
+
+phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
+  while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
+  data_out
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --lr 2e-3 --epochs 30 --time-budget ${TRAIN2_BUDGET:-240s} --calib-prompts 4"
+  step r6_train $HSTAP $T --data "jsonl:$RUN/synth0.jsonl" --out "$RUN/drafter2"
+  ship_drafter drafter2
+  cp "$RUN/drafter2/metrics.jsonl" "$RUN/results/drafter2.metrics.jsonl"
+  step r7_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter2" --device cuda --dtype bf16 --batch 1 \
+    --log "$RUN/results/spec2_b1.jsonl"
+  echo "$(date +%T) MORE DONE" >> "$RUN/progress"
+}
+
+case ${1:-status} in
+  start)
+    mkdir -p /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
+    # run from a private copy: later calls replace this working tree, and bash reads a script as it goes
+    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/pyproject.toml /tmp/hrepo/
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_r" > "$RUN/logs/master.log" 2>&1 \
+      < /dev/null &
+    sleep 3; cat "$RUN/logs/gpus.txt" ;;
+  status)
+    cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null
+    bundle
+    if [ -n "${OUT:-}" ]; then
+      cp "$RUN"/out/results.tgz.part* "$OUT"/ 2>/dev/null
+      for f in "$RUN"/out/data.* "$RUN"/out/drafter*; do [ -f "$f" ] && mv "$f" "$OUT"/; done
+    fi
+    ls -la "$OUT" 2>/dev/null ;;
+  more)
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
+      < /dev/null &
+    sleep 1; cat "$RUN/progress" ;;
+  source) ;;
+esac

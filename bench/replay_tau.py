@@ -1,0 +1,67 @@
+"""τ of chain, prompt-lookup and hybrid drafting on MT-bench, replayed on the target's own greedy answers
+(hstap.train.replay): no decoding loop, so a CPU does all 80 questions in minutes. Tables overall and per
+MT-bench category. Speed is bench/spec_decode.py's job; this chooses shapes.
+
+    python bench/replay_tau.py --drafter DIR --max-new-tokens 256 --shapes chain:3 ngram:3 hybrid:3,1 hybrid:3,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from hstap.train.replay import chain_runs, greedy_answers, replay
+from hstap.evaluate.run import load_drafter, load_prompts
+from hstap.models import load_target
+from hstap.runtime.shapes import DraftShape
+
+CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def category(question_id: str) -> str:
+    """MT-bench questions 81-160 come in blocks of ten per category, in this order."""
+    return CATEGORIES[(int(question_id.rsplit("-", 1)[-1]) - 81) // 10]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", type=Path, required=True, help="a drafter dir (hstap train run or bf16 copy)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "hybrid:3,1", "hybrid:3,2", "hybrid:3"])
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    target = load_target("smollm2")
+    drafter = load_drafter(args.drafter, target)
+    prompts = load_prompts("mt-bench", target.tokenizer, args.limit)
+    answers = greedy_answers(target, prompts, args.max_new_tokens)
+    shapes = [DraftShape.parse(s) for s in args.shapes]
+    depth = max(s.depth for s in shapes)
+    runs = chain_runs(target, drafter, answers, depth) if any(s.uses_drafter for s in shapes) else None
+    cats = sorted({category(a.id) for a in answers}, key=CATEGORIES.index)
+    print(f"date {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"fp32, {len(answers)} MT-bench first turns, greedy, max {args.max_new_tokens} new tokens, "
+          f"drafter {args.drafter}, {time.perf_counter() - start:.0f} s")
+    print("\n| shape | τ | " + " | ".join(cats) + " |")
+    print("|---|---:|" + "---:|" * len(cats))
+    for shape in shapes:
+        tokens, cycles = replay(answers, runs, shape, args.max_new_tokens)
+        per = []
+        for c in cats:
+            idx = [i for i, a in enumerate(answers) if category(a.id) == c]
+            t, n = replay([answers[i] for i in idx], [runs[i] for i in idx] if runs else None, shape,
+                          args.max_new_tokens)
+            per.append(f"{t / n:.2f}")
+        print(f"| {shape.spec} | **{tokens / cycles:.2f}** | " + " | ".join(per) + " |")
+
+
+if __name__ == "__main__":
+    main()

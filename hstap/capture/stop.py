@@ -1,0 +1,80 @@
+"""How `hstap capture` stops without losing work: on SIGTERM or SIGINT, and on a store that cannot commit.
+
+    with StopSignals() as stop, StoreWriter(out, meta) as writer:
+        sink = GuardedSink(writer)
+        ...                                   # a signal here (model load) stops at once: nothing is buffered yet
+        stop.defer()                          # from here a signal ends the loop at the next batch instead
+        prefill_with_tap(..., sink, stop=lambda: stop.signum is not None or sink.error is not None)
+    stop.raise_if_stopped(...)                # after the writer committed its buffer
+
+Schedulers, containers and `timeout` send SIGTERM; it is handled exactly like Ctrl-C. Neither raises inside the
+forward or the tap's hand-off: the loop ends after the batch in flight, the tap drains, the writer commits what it
+buffered as a shard, and the command exits 130 (SIGINT) or 143 (SIGTERM). A second signal stops at once (the
+committed shards are safe either way; only the buffer is at stake).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from hstap.errors import Interrupted
+from hstap.store.writer import StoreWriteError, StoreWriter
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Installs SIGINT/SIGTERM handlers for the duration of a `with` (main thread only; elsewhere a no-op)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum: int | None = None
+        self._deferring = False
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if self.enabled:
+            self._old = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def defer(self) -> None:
+        """From now on the first signal is only recorded: the caller stops at its next check."""
+        self._deferring = True
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._deferring and self.signum is None:
+            self.signum = signum
+            name = signal.Signals(signum).name
+            os.write(2, f"\nhstap capture: {name}: stopping after this batch and committing what is buffered "
+                        f"({name} again to stop at once)\n".encode())
+            return
+        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+
+    def raise_if_stopped(self, message: str) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum, f"stopped by {signal.Signals(self.signum).name}: {message}")
+
+
+class GuardedSink:
+    """The tap's sink: the first failed commit (a full disk) is kept to stop the capture at the next batch, instead
+    of the tap counting one error per later sample; samples arriving after it are not stored (a resume captures
+    them)."""
+
+    def __init__(self, writer: StoreWriter) -> None:
+        self.writer = writer
+        self.error: StoreWriteError | None = None
+
+    def __call__(self, sample_id: str, tensors: dict) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.writer.add(sample_id, tensors)
+        except StoreWriteError as exc:
+            self.error = exc
+            raise

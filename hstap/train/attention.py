@@ -1,0 +1,121 @@
+"""Training-time-test attention without (S, S) scores per step: a causal kernel over the step-0 keys, then the
+diagonal keys of steps 1..k merged in by log-sum-exp.
+
+    attend = TTTAttention(num_heads=32, num_kv_heads=8)       # one per unroll; each call is the next TTT step
+    out = attend(q, k, v)     # q (B, nh, S, hd), k/v (B, nkv, S, hd) of the current step → (B, nh, S, hd)
+
+A step-k query at t sees the step-0 keys of positions ≤ t and its own chain's keys at t (steps 1..k). The
+softmax over both sets splits exactly: with L the log-sum-exp of the causal prefix scores and d_i = q·k_i/√hd,
+
+    Z = e^L + Σ_i e^{d_i};   out = (e^L / Z) · softmax_prefix(q, K_0) V_0 + Σ_i (e^{d_i} / Z) · v_i
+
+so only the prefix needs a kernel, and it is plain causal attention that returns L. On CUDA it is flex attention
+(compiled, a causal block mask, grouped-query heads without repeating k/v); its backward takes L's gradient, so
+the merge is differentiated exactly. Elsewhere (the CPU tests, small runs) the prefix is materialised: exact in
+fp32, and the reference the flex path is compared with. The diagonal terms cost (B, nh, S, k) dot products.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
+BACKENDS = ("auto", "flex", "math")
+
+
+class TTTAttention:
+    """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k.
+
+    `backend`: "flex" (fused kernel, CUDA), "math" (materialised prefix scores, any device), "auto" = flex on
+    CUDA, math elsewhere."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"TTT attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        self.rep = num_heads // num_kv_heads
+        self.backend = backend
+        self.keys: list[torch.Tensor] = []  # per step, (B, nkv, S, hd)
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        scale = q.shape[-1] ** -0.5
+        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        prefix = causal_prefix_flex if flex else causal_prefix_math
+        out, lse = prefix(q, self.keys[0], self.values[0], scale)  # (B, nh, S, hd), (B, nh, S) fp32
+        if len(self.keys) == 1:
+            return out
+        return merge_diagonal(q, out, lse, self.keys[1:], self.values[1:], scale)
+
+
+def causal_prefix_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention with its log-sum-exp, scores materialised: q (B, nh, S, hd), k/v (B, nkv, S, hd) →
+    out (B, nh, S, hd) in q's dtype, lse (B, nh, S) fp32."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, nh, S, hd)
+    s = q.shape[2]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # (S, S) keys after t
+    scores = ((q * scale) @ k.transpose(-1, -2)).float().masked_fill(future, float("-inf"))  # (B, nh, S, S)
+    lse = scores.logsumexp(-1)  # (B, nh, S)
+    out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v  # (B, nh, S, hd)
+    return out, lse
+
+
+def causal_prefix_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_prefix_math` through compiled flex attention: no (S, S) tensor, half the blocks skipped."""
+    s = q.shape[2]
+    pad = -s % BLOCK
+    if pad:  # one compiled kernel serves every length up to the next block; padded keys sit after every real query
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    out, lse = _flex(q.is_cuda)(q, k, v, _causal_block_mask(s + pad, q.device), scale)
+    return out[:, :, :s], lse[:, :, :s]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_block_mask(length: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, length, length, device=device)
+
+
+@functools.cache
+def _flex(compiled: bool):
+    """flex attention returning (out, lse). Compiled for CUDA, once: lengths vary, and dynamo makes the length
+    dynamic after the first change instead of compiling per length. Uncompiled (the CPU tests) it is PyTorch's
+    reference implementation. Older torch spells `return_aux` as `return_lse`."""
+    from torch.nn.attention import flex_attention as fa
+
+    flex = torch.compile(fa.flex_attention) if compiled else fa.flex_attention
+    if hasattr(fa, "AuxRequest"):
+        def run(q, k, v, block_mask, scale):
+            out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                            return_aux=fa.AuxRequest(lse=True))
+            return out, aux.lse
+        return run
+    return lambda q, k, v, block_mask, scale: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                                                   return_lse=True)
+
+
+def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Fold the diagonal keys/values (each (B, nkv, S, hd)) into a prefix result `out` (B, nh, S, hd) with
+    log-sum-exp `lse` (B, nh, S); see the module docstring. Computed in fp32, returned in q's dtype."""
+    b, nh, s, hd = q.shape
+    nkv = keys[0].shape[1]
+    qg = q.float().view(b, nkv, nh // nkv, s, hd) * scale  # (B, nkv, rep, S, hd): head h reads kv head h // rep
+    diag = [(qg * key.float()[:, :, None]).sum(-1) for key in keys]  # each (B, nkv, rep, S)
+    weights = torch.softmax(torch.stack([lse.view(b, nkv, -1, s), *diag], dim=-1), dim=-1)  # (B, nkv, rep, S, 1+k)
+    merged = weights[..., :1] * out.float().view(b, nkv, -1, s, hd)  # (B, nkv, rep, S, hd)
+    for i, value in enumerate(values):
+        merged = merged + weights[..., i + 1:i + 2] * value.float()[:, :, None]
+    return merged.view(b, nh, s, hd).to(q.dtype)

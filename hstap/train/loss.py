@@ -1,0 +1,79 @@
+"""The draft-vocabulary loss fused with `lm_head`, a block of positions at a time: no (B, S, Vd) logits survive a
+TTT step, so memory does not grow with vocabulary × sequence × TTT steps.
+
+    loss, count, argmax = head_soft_cross_entropy(norm(hidden), lm_head.weight, draft_ids, probs, weight)
+
+equals `soft_cross_entropy(lm_head(norm(hidden)), draft_ids, probs, weight)` (hstap.train.ttt, the definition)
+with `logits.argmax(-1)`. Each block's logits exist only inside the forward: its loss, its argmax and the loss's
+gradients are computed there (d loss/d logits = (softmax · Σ_j p_j − scatter(p)) · weight / count, then through
+the block's two matmuls), and the backward only scales the saved gradients by the incoming scalar. So the head
+costs its three matmuls (forward, input and weight gradient), none recomputed, and holds one block's logits plus
+the (N, H) input gradient and a (Vd, H) fp32 weight gradient per step — neither grows with the vocabulary times
+the sequence. Under autocast the matmuls run in the autocast dtype, the softmax in fp32, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_BYTES = 512 << 20  # fp32 logits per block: 4,194 positions of a 32,000-token draft vocabulary
+
+
+def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_draft_ids: torch.Tensor,
+                            target_probs: torch.Tensor, mask: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (B, S, H) normed states; weight (Vd, H) lm_head; target_draft_ids (B, S, K) draft ids (−1 outside
+    the draft vocab); target_probs (B, S, K); mask (B, S) bool positions counted.
+    Returns (mean loss with grad, number of counted positions, argmax draft id (B, S))."""
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    return _HeadSoftCE.apply(hidden, weight, target_draft_ids, target_probs, mask, rows, grads)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """What autocast would run a matmul of `t` in (its own dtype outside autocast)."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+class _HeadSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, draft_ids, probs, mask, rows, grads):
+        b, s, h = hidden.shape
+        dtype = _compute_dtype(hidden)
+        flat = hidden.reshape(b * s, h)  # (N, H)
+        ids = draft_ids.reshape(b * s, -1).clamp_min(0)  # (N, K)
+        p = probs.reshape(b * s, -1).float()  # (N, K)
+        count = mask.sum()
+        scale = mask.reshape(-1).float() / count.clamp_min(1)  # (N,) each counted position's share of the mean
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(b * s, dtype=torch.long, device=hidden.device)
+        grad_h = torch.empty_like(flat) if grads else None  # (N, H)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None  # (Vd, H)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # (Vd, H), cast once for every block
+            for start in range(0, b * s, rows):
+                part = slice(start, start + rows)
+                x = flat[part].to(dtype)  # (c, H)
+                logits = F.linear(x, w)  # (c, Vd)
+                argmax[part] = logits.argmax(-1)
+                logq = torch.log_softmax(logits.float(), dim=-1)  # (c, Vd)
+                per_pos = -(p[part] * logq.gather(-1, ids[part])).sum(-1)  # (c,)
+                loss += (per_pos * scale[part]).sum()
+                if grads:
+                    g = logq.exp_().mul_(p[part].sum(-1, keepdim=True))  # (c, Vd) softmax · Σ p
+                    g.scatter_add_(-1, ids[part], -p[part]).mul_(scale[part, None])  # d loss / d logits
+                    g = g.to(dtype)
+                    grad_h[part] = g @ w  # (c, H)
+                    grad_w += (g.t() @ x).float()  # (Vd, H)
+        if grads:
+            ctx.save_for_backward(grad_h.view(b, s, h), grad_w)
+            ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(count, argmax)
+        return loss, count, argmax.view(b, s)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _count, _argmax):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None

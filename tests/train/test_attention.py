@@ -1,0 +1,179 @@
+"""TTT attention without (S, S) scores equals the materialised implementation it replaced (kept below as the
+reference), forward and gradients, on both backends; and a whole TTT unroll with the fused head loss equals the
+old unroll (old attention, `drafter.step`, `soft_cross_entropy` on full logits)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
+from hstap.train.attention import TTTAttention
+from hstap.train.ttt import (TTTBatch, shift_left, soft_cross_entropy, teacher_in_draft_vocab, ttt_forward)
+
+FP32 = dict(atol=1e-4, rtol=1e-4)  # fp32 sums in another order; a wrong mask or merge is off by O(1)
+
+
+class ReferenceTTTAttention:
+    """The implementation before issue 15 (hstap/train/ttt.py at 282e63f), verbatim: (B, nh, S, S) scores."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.rep = num_heads // num_kv_heads
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.future: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k.repeat_interleave(self.rep, dim=1))
+        self.values.append(v.repeat_interleave(self.rep, dim=1))
+        s = q.shape[2]
+        if self.future is None or self.future.shape[0] != s:
+            self.future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        q = q * q.shape[-1] ** -0.5
+        prefix = (q @ self.keys[0].transpose(-1, -2)).masked_fill_(self.future, float("-inf"))
+        diag = [(q * key).sum(-1, keepdim=True) for key in self.keys[1:]]
+        weights = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+        out = weights[..., :s] @ self.values[0]
+        for i, value in enumerate(self.values[1:]):
+            out = out + weights[..., s + i: s + i + 1] * value
+        return out
+
+
+def _unroll(attend, qkv: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    return [attend(q, k, v) for q, k, v in qkv]
+
+
+def _inputs(steps=4, b=2, nh=4, nkv=2, s=37, hd=8, device="cpu", dtype=torch.float32, grad=True):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: (2 * torch.randn(*shape, generator=gen)).to(device, dtype).requires_grad_(grad)  # noqa: E731
+    return [(make(b, nh, s, hd), make(b, nkv, s, hd), make(b, nkv, s, hd)) for _ in range(steps)]
+
+
+def _check_against_reference(backend: str, device: str = "cpu", tol=FP32, dtype=torch.float32) -> None:
+    qkv = _inputs(device=device, dtype=dtype)
+    got = _unroll(TTTAttention(4, 2, backend), qkv)
+    ref = _unroll(ReferenceTTTAttention(4, 2), qkv)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, **tol)
+    leaves = [t for step in qkv for t in step]
+    probe = [torch.randn(r.shape, generator=torch.Generator().manual_seed(i)).to(device, dtype)
+             for i, r in enumerate(ref)]
+    grads = torch.autograd.grad(sum((a * p).sum() for a, p in zip(got, probe)), leaves)
+    grads_ref = torch.autograd.grad(sum((r * p).sum() for r, p in zip(ref, probe)), leaves)
+    for g, gr in zip(grads, grads_ref):
+        torch.testing.assert_close(g, gr, **tol)
+
+
+def test_math_backend_equals_the_materialised_reference_forward_and_gradients():
+    _check_against_reference("math")
+
+
+def test_flex_backend_equals_the_reference_on_the_cpu(monkeypatch):
+    """The flex path (padding to the block, the causal block mask, grouped heads, gradients through the
+    log-sum-exp) run by PyTorch's uncompiled flex attention. Its CPU guard refuses backward although the
+    uncompiled backward is plain PyTorch; lifted here only, to check our use of it."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "flex_attention called without torch.compile()"
+        _check_against_reference("flex")
+
+
+@pytest.mark.gpu
+def test_flex_backend_on_cuda_equals_the_reference():
+    """The compiled kernel: fp32 to fp32 tolerance, bf16 to bf16's."""
+    _check_against_reference("flex", "cuda", tol=dict(atol=1e-4, rtol=1e-4))
+    _check_against_reference("flex", "cuda", tol=dict(atol=5e-2, rtol=2e-2), dtype=torch.bfloat16)
+
+
+def test_unknown_backend_names_the_valid_ones():
+    with pytest.raises(ValueError, match="auto, flex, math"):
+        TTTAttention(4, 2, "sdpa")
+
+
+def reference_ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int,
+                          decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unroll before issue 15: full (B, S, Vd) logits per step, then `soft_cross_entropy`. → (loss, stats)."""
+    cfg = drafter.config
+    attend = ReferenceTTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads)
+    b, s = batch.input_ids.shape
+    positions = torch.arange(s).expand(b, s)
+    hidden = drafter.project(batch.aux)
+    total, stats = torch.zeros(()), []
+    for k in range(steps):
+        hidden, logits = drafter.step(shift_left(batch.input_ids, 1 + k, 0), hidden, positions + k, attend)
+        draft_ids, probs, inside = teacher_in_draft_vocab(shift_left(batch.topk_ids, 1 + k, 0),
+                                                          shift_left(batch.topk_logprobs, 1 + k, float("-inf")),
+                                                          t2d_ids)
+        weight = shift_left(batch.loss_mask & batch.valid, 2 + k, False) & inside & batch.valid
+        loss, count = soft_cross_entropy(logits, draft_ids, probs, weight)
+        total = total + decay ** k * loss
+        hit = (logits.argmax(-1) == draft_ids[..., 0]) & weight
+        stats.append(torch.stack([loss.detach().double(), hit.sum().double(), count.double()]))
+    return total, torch.stack(stats, dim=1)
+
+
+def test_ttt_unroll_equals_the_old_unroll_forward_and_gradients():
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 4],
+                        target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
+    drafter = Eagle3Drafter(cfg)
+    d2t, t2d = build_draft_vocab(torch.arange(50, 0, -1) % 7, 20)
+    drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
+    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    b, s = 3, 21
+    valid = torch.arange(s)[None] < torch.tensor([[21], [15], [9]])  # right padding
+    batch = TTTBatch(aux=torch.randn(b, s, 96), input_ids=torch.randint(0, 50, (b, s)) * valid,
+                     loss_mask=torch.rand(b, s) < 0.7, valid=valid, topk_ids=torch.randint(0, 50, (b, s, 6)),
+                     topk_logprobs=torch.log_softmax(torch.randn(b, s, 6), -1).masked_fill(~valid[..., None],
+                                                                                            float("-inf")))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    out = ttt_forward(drafter, batch, t2d_ids, steps=4, decay=0.8)
+    grads = torch.autograd.grad(out.loss, params)
+    ref_loss, ref_stats = reference_ttt_forward(drafter, batch, t2d_ids, 4, 0.8)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    torch.testing.assert_close(out.loss, ref_loss, **FP32)
+    torch.testing.assert_close(out.stats, ref_stats, **FP32)
+    assert out.stats[2].min() > 0  # every step counted some positions
+    for (name, _), g, gr in zip([(n, p) for n, p in drafter.named_parameters() if p.requires_grad], grads, ref_grads):
+        torch.testing.assert_close(g, gr, **FP32, msg=name)
+
+
+def test_backward_keeps_no_sequence_by_sequence_or_sequence_by_vocab_tensor(monkeypatch):
+    """What a training step holds for its backward: with flex attention and the fused head loss, nothing of shape
+    (…, S, S) or (…, S, Vd) — the two terms that grew with sequence² and with vocabulary × sequence × TTT. The
+    old unroll saves both (checked too, so the probe can see them)."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)  # see test_flex_backend_equals_the_reference
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=50, draft_vocab_size=24, aux_layer_ids=[1, 2, 4],
+                        target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
+    drafter = Eagle3Drafter(cfg)
+    d2t, t2d = build_draft_vocab(torch.arange(50) % 9, 24)
+    drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
+    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    b, s = 2, 40  # flex pads 40 to its 128-block
+    batch = TTTBatch(aux=torch.randn(b, s, 96), input_ids=torch.randint(0, 50, (b, s)),
+                     loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
+                     topk_ids=torch.randint(0, 50, (b, s, 6)), topk_logprobs=torch.randn(b, s, 6))
+
+    def saved_shapes(run) -> list[tuple[int, ...]]:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            run()
+        return shapes
+
+    def grows(shape: tuple[int, ...]) -> bool:
+        return sum(d in (s, 128) for d in shape) >= 2 or (s in shape and 24 in shape)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        new = saved_shapes(lambda: ttt_forward(drafter, batch, t2d_ids, steps=3, attention="flex"))
+    old = saved_shapes(lambda: reference_ttt_forward(drafter, batch, t2d_ids, 3, 0.8))
+    assert not [shape for shape in new if grows(shape)]
+    assert (b, 4, s, s) in old and (b, s, 24) in old

@@ -1,0 +1,70 @@
+"""The fused head loss equals `soft_cross_entropy` on full logits: value, argmax and gradients, across blocks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hstap.train.loss import head_soft_cross_entropy
+from hstap.train.ttt import soft_cross_entropy
+
+
+def _problem(b=3, s=11, h=16, vd=40, k=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, h, generator=gen, requires_grad=True)
+    weight = torch.randn(vd, h, generator=gen, requires_grad=True)
+    ids = torch.randint(0, vd, (b, s, k), generator=gen)
+    ids[0, :4, 2:] = -1  # outside the draft vocabulary: probability 0, as teacher_in_draft_vocab makes it
+    probs = torch.softmax(torch.randn(b, s, k, generator=gen), -1).masked_fill(ids < 0, 0.0)
+    mask = torch.rand(b, s, generator=gen) < 0.6
+    return hidden, weight, ids, probs, mask
+
+
+def _reference(hidden, weight, ids, probs, mask):
+    logits = F.linear(hidden, weight)  # (B, S, Vd)
+    loss, count = soft_cross_entropy(logits, ids, probs, mask)
+    return loss, count, logits.argmax(-1)
+
+
+def test_equals_soft_cross_entropy_on_full_logits_in_blocks():
+    hidden, weight, ids, probs, mask = _problem()
+    ref_loss, ref_count, ref_argmax = _reference(hidden, weight, ids, probs, mask)
+    ref_grads = torch.autograd.grad(3.0 * ref_loss, (hidden, weight))  # a scale, as decay**k applies one
+    for rows in (33, 7, 1):  # one block, ragged blocks (33 = 4·7 + 5), one row at a time
+        loss, count, argmax = head_soft_cross_entropy(hidden, weight, ids, probs, mask, chunk_bytes=4 * 40 * rows)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+        assert count == ref_count and torch.equal(argmax, ref_argmax)
+        grads = torch.autograd.grad(3.0 * loss, (hidden, weight))
+        for g, gr in zip(grads, ref_grads):
+            torch.testing.assert_close(g, gr, atol=1e-6, rtol=1e-5)
+
+
+def test_no_counted_positions_gives_zero_loss_and_gradient():
+    hidden, weight, ids, probs, mask = _problem()
+    loss, count, _ = head_soft_cross_entropy(hidden, weight, ids, probs, torch.zeros_like(mask))
+    assert count == 0 and loss == 0
+    assert all(g.abs().max() == 0 for g in torch.autograd.grad(loss, (hidden, weight)))
+
+
+def test_no_grad_evaluation_returns_the_same_numbers():
+    hidden, weight, ids, probs, mask = _problem(seed=1)
+    with torch.no_grad():
+        loss, count, argmax = head_soft_cross_entropy(hidden, weight, ids, probs, mask)
+        ref_loss, ref_count, ref_argmax = _reference(hidden, weight, ids, probs, mask)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, ref_loss)
+    assert count == ref_count and torch.equal(argmax, ref_argmax)
+
+
+def test_under_bf16_autocast_matches_the_autocast_reference():
+    """Matmuls in bf16, softmax in fp32, gradients in the parameters' fp32: within bf16's rounding."""
+    hidden, weight, ids, probs, mask = _problem(b=2, s=64, h=64, vd=256, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = head_soft_cross_entropy(hidden, weight, ids, probs, mask, chunk_bytes=4 * 256 * 50)
+        ref_loss, _, _ = _reference(hidden, weight, ids, probs, mask)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    torch.testing.assert_close(loss, ref_loss, atol=1e-2, rtol=1e-2)
+    for g, gr in zip(grads, ref_grads):
+        assert g.dtype == gr.dtype == torch.float32
+        torch.testing.assert_close(g, gr, atol=1e-3, rtol=3e-2)
