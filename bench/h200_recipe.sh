@@ -63,14 +63,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   done
   wait
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
-  $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
-import json, sys, collections
-n, tokens, by = 0, 0, collections.Counter()
-for line in open(sys.argv[1]):
-    r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0)
-    by[r.get("source") or str(r.get("id", "?")).split("-")[0]] += 1
-print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
-PYEOF
+  synth_stats
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
   data_out
   bundle

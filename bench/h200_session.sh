@@ -95,18 +95,23 @@ more_synth() {  # resume synth (batch $1) for at most $2 seconds: the run append
     --batch-size "$1" --max-new-tokens 384
 }
 
+synth_stats() {  # conversations and answer tokens of $RUN/synth.jsonl, per prompt source
+  $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
+import json, sys, collections
+n, tokens, by = 0, 0, collections.Counter()
+for line in open(sys.argv[1]):
+    r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0)
+    by[r.get("source") or str(r.get("id", "?")).split("-")[0]] += 1
+print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
+PYEOF
+}
+
 after_synth() {
   local P="$RUN/prompts.jsonl"
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
   mkdir -p "$RUN/results"
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
-  $PY - "$RUN/synth.jsonl" > "$RUN/results/synth_stats.json" <<'PYEOF'
-import json, sys, collections
-n, tokens, by = 0, 0, collections.Counter()
-for line in open(sys.argv[1]):
-    r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0); by[r.get("source", "?")] += 1
-print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
-PYEOF
+  synth_stats
   bundle
   # B3 (two GPUs only): 2 GPUs vs 1 GPU x 2 accumulated batches; a preempted 2-GPU run resumed on 1
   local T="train --online --model smollm2 --data jsonl:$RUN/synth.jsonl --limit 6000 --device cuda --ttt-steps 7 \

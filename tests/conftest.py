@@ -59,8 +59,6 @@ def small_store(tmp_path_factory):
 def read_only_dir(tmp_path):
     """A directory this process cannot write into. Modes do not stop root, so as root a read-only tmpfs is mounted
     there (and unmounted after); as another user the directory is chmod 555. Skipped where neither works."""
-    import subprocess
-
     path = tmp_path / "read-only"
     path.mkdir()
     if os.geteuid() != 0:
@@ -68,29 +66,27 @@ def read_only_dir(tmp_path):
         yield path
         path.chmod(0o755)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
+    yield from _tmpfs(path, "ro,size=64k", "running as root and cannot mount a read-only tmpfs")
 
 
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KB filesystem (a tmpfs; root only, skipped otherwise): a real ENOSPC for anything bigger."""
-    import subprocess
-
     path = tmp_path / "tiny-disk"
     path.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True,
+    yield from _tmpfs(path, "size=64k", "cannot mount a small tmpfs")
+
+
+def _tmpfs(path, options: str, why_not: str):
+    """Mount a tmpfs with `options` on `path` for the fixture's lifetime; skip (saying `why_not`) if mount fails."""
+    import subprocess
+
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
                              text=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+        pytest.skip(f"{why_not}: {mounted.stderr.strip()}")
     try:
         yield path
     finally:

@@ -35,11 +35,12 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
         weight_sum += sum(w * n for w, n in zip(weights, positions))
         correct = [a + int(b) for a, b in zip(correct, hits)]
         counted = [a + int(b) for a, b in zip(counted, positions)]
-        runs.append(out.run_lengths.flatten().cpu())
+        run_lengths = out.run_lengths.cpu()  # (B, S), read back once for every chain length below
+        runs.append(run_lengths.flatten())
         oks.append(out.run_valid.flatten().cpu())
         answer = (batch.loss_mask & batch.valid).cpu()
         for d in sims:  # τ·cycles adds up over batches: keep the sums
-            tau_d, cycles = simulated_tau(out.run_lengths.cpu(), answer, d)
+            tau_d, cycles = simulated_tau(run_lengths, answer, d)
             if cycles:
                 sims[d][0] += tau_d * cycles
                 sims[d][1] += cycles
