@@ -15,18 +15,12 @@ from pathlib import Path
 
 import torch
 
+from hstap.data.categories import CATEGORIES
+from hstap.data.mtbench import mtbench_categories
 from hstap.train.replay import chain_runs, greedy_answers, replay
 from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
-
-CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
-
-
-def category(question_id: str) -> str:
-    """MT-bench questions 81-160 come in blocks of ten per category, in this order."""
-    return CATEGORIES[(int(question_id.rsplit("-", 1)[-1]) - 81) // 10]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,7 +40,8 @@ def main() -> None:
     shapes = [DraftShape.parse(s) for s in args.shapes]
     depth = max(s.depth for s in shapes)
     runs = chain_runs(target, drafter, answers, depth) if any(s.uses_drafter for s in shapes) else None
-    cats = sorted({category(a.id) for a in answers}, key=CATEGORIES.index)
+    category = mtbench_categories()
+    cats = sorted({category[a.id] for a in answers}, key=CATEGORIES.index)
     print(f"date {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"fp32, {len(answers)} MT-bench first turns, greedy, max {args.max_new_tokens} new tokens, "
           f"drafter {args.drafter}, {time.perf_counter() - start:.0f} s")
@@ -56,7 +51,7 @@ def main() -> None:
         tokens, cycles = replay(answers, runs, shape, args.max_new_tokens)
         per = []
         for c in cats:
-            idx = [i for i, a in enumerate(answers) if category(a.id) == c]
+            idx = [i for i, a in enumerate(answers) if category[a.id] == c]
             t, n = replay([answers[i] for i in idx], [runs[i] for i in idx] if runs else None, shape,
                           args.max_new_tokens)
             per.append(f"{t / n:.2f}")

@@ -83,10 +83,33 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def category_table(records: list[dict]) -> str:
+    """τ of every method per MT-bench category (from the question file); empty for prompts of another bench."""
+    from hstap.data.categories import CATEGORIES
+    from hstap.data.mtbench import mtbench_categories
+
+    category = mtbench_categories()
+    if not all(r["id"] in category for r in records):
+        return ""
+    cats = sorted({category[r["id"]] for r in records}, key=CATEGORIES.index)
+    methods = list(records[0]["methods"])
+    lines = ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+    for m in methods:
+        cells = []
+        for c in cats:
+            mine = [r["methods"][m] for r in records if category[r["id"]] == c]
+            emitted, forwards = sum(g["emitted"] for g in mine), sum(g["verify_forwards"] for g in mine)
+            cells.append(f"{acceptance_length(emitted, forwards):.2f}" if forwards else "–")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def print_tables(records: list[dict]) -> None:
     for batch in sorted({r.get("batch", 1) for r in records}):
         chosen = [r for r in records if r.get("batch", 1) == batch]
         print(f"\n### batch {batch}: {len(chosen)} prompts\n\n{table(chosen)}")
+        if by_category := category_table(chosen):
+            print(f"\nτ per MT-bench category, batch {batch}:\n\n{by_category}")
 
 
 def _record(log: Path, batch: int):

@@ -47,3 +47,8 @@ def load_mtbench(path: Path | str | None = None) -> list[Conversation]:
         out.append(Conversation(id=f"mt-bench-{qid}", messages=messages, source=SOURCE,
                                 meta={"category": category, "question_id": qid}))
     return out
+
+
+def mtbench_categories(path: Path | str | None = None) -> dict[str, str]:
+    """Question id (`mt-bench-<question_id>`) → its MT-bench category, as the question file says."""
+    return {conv.id: conv.meta["category"] for conv in load_mtbench(path)}

@@ -36,3 +36,14 @@ def test_bad_line_names_path_and_line(tmp_path):
     path.write_text('{"question_id": 1, "category": "x", "turns": ["a", "b"]}\n{"question_id": 2}\n')
     with pytest.raises(HstapError, match=r"question\.jsonl:2: expected a JSON object with question_id"):
         load_mtbench(path)
+
+
+def test_categories_come_from_the_question_file():
+    from collections import Counter
+
+    from hstap.data.categories import CATEGORIES
+    from hstap.data.mtbench import mtbench_categories
+
+    category = mtbench_categories()
+    assert Counter(category.values()) == {c: 10 for c in CATEGORIES}
+    assert category["mt-bench-131"] == "extraction"
