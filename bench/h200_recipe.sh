@@ -112,6 +112,40 @@ phase_more() {  # after a resumed synth (r5): the drafter again on all answers s
   echo "$(date +%T) MORE DONE" >> "$RUN/progress"
 }
 
+phase_c() {  # a third session: issue 15's GPU figures (no assets needed), then the drafter continued from the
+  # carried run-A drafter (`--init-from`) on the carried 12,288 conversations, GPU tests beside it, MT-bench
+  step c0_throughput $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 \
+    --batch 1 --seq 2048 8192 --steps 6 --json
+  step c0_throughput_math $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 \
+    --batch 1 --seq 2048 --steps 6 --attention math --json
+  step c0_capture_overhead $PY bench/capture_overhead.py --device cuda --shape 8b --batch 4 --seq 2048 --reps 6 \
+    --teacher hidden --teacher topk:32
+  bundle
+  wait_assets
+  while [ ! -f "$REPO/.gpu/data/drafter.tar.xz.part01" ]; do sleep 3; done
+  (cd "$RUN" && cat "$REPO"/.gpu/data/data.tar.xz.part* | xz -dc | tar xf - \
+    && cat "$REPO"/.gpu/data/drafter.tar.xz.part* | xz -dc | tar xf -) > "$RUN/logs/c_untar.log" 2>&1
+  mkdir -p "$RUN/results" "$RUN/figs"
+  step c1_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
+    tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py tests/runtime/test_gpu.py tests/capture/test_tap.py &
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --lr ${LR:-1e-3} --epochs 30 --time-budget ${TRAIN_BUDGET:-540s} --calib-prompts 4 --init-from $RUN/drafter_bf16 \
+    --data jsonl:$RUN/synth0.jsonl --out $RUN/drafter3"
+  if ! step c2_train $HSTAP $T; then  # the fused attention's first GPU run: fall back to the exact kernel
+    rm -rf "$RUN/drafter3"; step c2_train_math $HSTAP $T --ttt-attention math
+  fi
+  wait
+  ship_drafter drafter3
+  cp "$RUN/drafter3/metrics.jsonl" "$RUN/results/drafter3.metrics.jsonl" 2>/dev/null
+  cp "$RUN"/drafter3/*.png "$RUN/figs/" 2>/dev/null
+  bundle
+  step c3_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter3" --device cuda --dtype bf16 --batch 1 \
+    --shapes ngram:3 chain:3 hybrid:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec3_b1.jsonl"
+  $PY bench/spec_decode.py --table "$RUN/results/spec3_b1.jsonl" > "$RUN/results/spec3_b1_tables.txt" 2>&1
+  bundle
+  echo "$(date +%T) CONT DONE" >> "$RUN/progress"
+}
+
 case ${1:-status} in
   start)
     mkdir -p /tmp/site
@@ -130,6 +164,16 @@ case ${1:-status} in
       for f in "$RUN"/out/data.* "$RUN"/out/drafter*; do [ -f "$f" ] && mv "$f" "$OUT"/; done
     fi
     ls -la "$OUT" 2>/dev/null ;;
+  cont)  # call 1 of a session that continues an earlier drafter: .gpu/data arrives with parts 2 and 3
+    mkdir -p /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
+    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
+      /tmp/hrepo/
+    ln -sfn "$REPO/.gpu" /tmp/hrepo/.gpu
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_c" > "$RUN/logs/master.log" 2>&1 \
+      < /dev/null &
+    sleep 3; cat "$RUN/logs/gpus.txt" ;;
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &

@@ -38,7 +38,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x / scale just past 448 cannot become NaN on a torch whose cast does not saturate.
     """
     amax = x.abs().amax(dim=-1).float()  # (...,) exact: the max of x's own values
-    scale = amax / FP8_MAX  # (...,)
+    # a tensor divisor, not the scalar: CUDA divides by a scalar as a multiply by its reciprocal (an ulp off the
+    # CPU's quotient), and a store must not depend on the device that wrote it
+    scale = amax / torch.full_like(amax, FP8_MAX)  # (...,)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero rows: 0 / 1 = 0, not 0 / 0
     q = (x.float() / safe[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # (..., H)
     return q, scale

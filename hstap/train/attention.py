@@ -24,13 +24,14 @@ import torch.nn.functional as F
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flex", "math")
+FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 2.11: "must be at least 16")
 
 
 class TTTAttention:
     """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k.
 
     `backend`: "flex" (fused kernel, CUDA), "math" (materialised prefix scores, any device), "auto" = flex on
-    CUDA, math elsewhere."""
+    CUDA for heads of at least FLEX_MIN_HEAD_DIM, math elsewhere (`use_flex`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, backend: str = "auto"):
         if backend not in BACKENDS:
@@ -44,12 +45,21 @@ class TTTAttention:
         self.keys.append(k)
         self.values.append(v)
         scale = q.shape[-1] ** -0.5
-        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
-        prefix = causal_prefix_flex if flex else causal_prefix_math
+        prefix = causal_prefix_flex if use_flex(self.backend, q.is_cuda, q.shape[-1]) else causal_prefix_math
         out, lse = prefix(q, self.keys[0], self.values[0], scale)  # (B, nh, S, hd), (B, nh, S) fp32
         if len(self.keys) == 1:
             return out
         return merge_diagonal(q, out, lse, self.keys[1:], self.values[1:], scale)
+
+
+def use_flex(backend: str, cuda: bool, head_dim: int) -> bool:
+    """Whether `backend` runs the flex kernel here. "auto" falls back to math where the compiled kernel cannot run
+    (a CPU, or heads smaller than it supports: tiny test drafters); an explicit "flex" there is an error, named
+    before the compiler's own page-long one."""
+    if backend == "flex" and cuda and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"TTT attention backend 'flex': head_dim {head_dim} is below the kernel's minimum "
+                         f"{FLEX_MIN_HEAD_DIM}; use --ttt-attention math or auto")
+    return backend == "flex" or (backend == "auto" and cuda and head_dim >= FLEX_MIN_HEAD_DIM)
 
 
 def causal_prefix_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -37,7 +37,7 @@ def test_graph_step_equals_plain_decoding_in_fp32(cuda_models, prompts, target, 
         assert gen.tokens + ([gen.stop_token] if gen.stop_token is not None else []) == ref
 
 
-@pytest.mark.parametrize("shape", ["ngram:3", "chain:3", "tree:8,8,60"])
+@pytest.mark.parametrize("shape", ["ngram:3", "chain:3", "hybrid:3", "hybrid:4,2", "tree:8,8,60"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_graphed_speculative_equals_plain_decoding_in_fp32(cuda_models, prompts, target, cuda_references, shape,
                                                            batch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
-from hstap.train.attention import TTTAttention
+from hstap.train.attention import TTTAttention, use_flex
 from hstap.train.ttt import (TTTBatch, shift_left, soft_cross_entropy, teacher_in_draft_vocab, ttt_forward)
 
 FP32 = dict(atol=1e-4, rtol=1e-4)  # fp32 sums in another order; a wrong mask or merge is off by O(1)
@@ -51,8 +51,8 @@ def _inputs(steps=4, b=2, nh=4, nkv=2, s=37, hd=8, device="cpu", dtype=torch.flo
     return [(make(b, nh, s, hd), make(b, nkv, s, hd), make(b, nkv, s, hd)) for _ in range(steps)]
 
 
-def _check_against_reference(backend: str, device: str = "cpu", tol=FP32, dtype=torch.float32) -> None:
-    qkv = _inputs(device=device, dtype=dtype)
+def _check_against_reference(backend: str, device: str = "cpu", tol=FP32, dtype=torch.float32, hd: int = 8) -> None:
+    qkv = _inputs(device=device, dtype=dtype, hd=hd)
     got = _unroll(TTTAttention(4, 2, backend), qkv)
     ref = _unroll(ReferenceTTTAttention(4, 2), qkv)
     for a, r in zip(got, ref):
@@ -84,9 +84,23 @@ def test_flex_backend_equals_the_reference_on_the_cpu(monkeypatch):
 
 @pytest.mark.gpu
 def test_flex_backend_on_cuda_equals_the_reference():
-    """The compiled kernel: fp32 to fp32 tolerance, bf16 to bf16's."""
-    _check_against_reference("flex", "cuda", tol=dict(atol=1e-4, rtol=1e-4))
-    _check_against_reference("flex", "cuda", tol=dict(atol=5e-2, rtol=2e-2), dtype=torch.bfloat16)
+    """The compiled kernel: fp32 to fp32 tolerance, bf16 to bf16's (heads of 16, the kernel's smallest)."""
+    _check_against_reference("flex", "cuda", tol=dict(atol=1e-4, rtol=1e-4), hd=16)
+    _check_against_reference("flex", "cuda", tol=dict(atol=5e-2, rtol=2e-2), dtype=torch.bfloat16, hd=16)
+
+
+@pytest.mark.parametrize("backend, cuda, head_dim, flex", [
+    ("auto", True, 64, True), ("auto", True, 16, True), ("auto", True, 8, False), ("auto", False, 64, False),
+    ("math", True, 64, False), ("flex", False, 64, True), ("flex", True, 16, True)])
+def test_use_flex_picks_the_kernel_the_device_and_head_size_allow(backend, cuda, head_dim, flex):
+    """The first GPU run of the flex test (2026-12-01) failed inside the compiler on 8-wide heads: "auto" now
+    falls back to math there."""
+    assert use_flex(backend, cuda, head_dim) is flex
+
+
+def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line():
+    with pytest.raises(ValueError, match="head_dim 8 is below the kernel's minimum 16"):
+        use_flex("flex", True, 8)
 
 
 def test_unknown_backend_names_the_valid_ones():
