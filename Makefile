@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(BIN)/hstap demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests  # one worker per core; a file's tests stay together
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests  # one worker per core; a file's tests stay
+	# together; files go out in the order tests/conftest.py gives them (slowest first), not by their number of tests
 
 clean:
 	rm -rf $(VENV) .hstap-cache

@@ -157,12 +157,24 @@ def _convert_gguf(name: str, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def _convert_once(name: str, dest: Path) -> None:
+    """Convert under an exclusive lock beside the cache entry: processes started together (torchrun ranks, test
+    workers) wait for the first one's ~30 s conversion instead of each repeating it."""
+    import fcntl
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (dest / "config.json").exists():
+            _convert_gguf(name, dest)
+
+
 def resolve_model_dir(model: str) -> tuple[Path, str]:
     """Map `smollm2` or a directory to (checkpoint dir, model id), converting the GGUF on first use."""
     if model in EMBEDDED:
         dest = cache_root() / "models" / model
         if not (dest / "config.json").exists():
-            _convert_gguf(model, dest)
+            _convert_once(model, dest)
         return dest, EMBEDDED[model][2]
     path = Path(model)
     if not (path / "config.json").exists():
