@@ -5,6 +5,9 @@
 #
 #   bash bench/h200_recipe.sh start     # after .gpu/1 is unpacked: set up, then run everything detached
 #   bash bench/h200_recipe.sh status    # any later call: progress; results (and, once, the data) into $OUT
+#   INIT=drafter4 SYNTH_S=240 bash bench/h200_recipe.sh cont   # a later session: continue a carried drafter
+#     (call 1 carries .gpu/1 and .whl; call 2 .gpu/2 and .gpu/data/data.tar.xz.part00; call 3 .gpu/3 and the
+#     drafter's two parts .gpu/data/$INIT.tar.xz.part0[01]: under 64 MiB a call)
 #
 # R1 prompts on GPU 0 (ShareGPT every turn, Magpie, stdlib code; PROMPTS total) [B3 on both GPUs meanwhile];
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
@@ -112,36 +115,50 @@ phase_more() {  # after a resumed synth (r5): the drafter again on all answers s
   echo "$(date +%T) MORE DONE" >> "$RUN/progress"
 }
 
-phase_c() {  # a third session: issue 15's GPU figures (no assets needed), then the drafter continued from the
-  # carried run-A drafter (`--init-from`) on the carried 12,288 conversations, GPU tests beside it, MT-bench
-  step c0_throughput $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 \
-    --batch 1 --seq 2048 8192 --steps 6 --json
-  step c0_throughput_math $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 \
-    --batch 1 --seq 2048 --steps 6 --attention math --json
-  step c0_capture_overhead $PY bench/capture_overhead.py --device cuda --shape 8b --batch 4 --seq 2048 --reps 6 \
-    --teacher hidden --teacher topk:32
-  bundle
+phase_c() {  # a session that continues an earlier drafter. INIT (a drafter shipped back by ship_drafter, its parts
+  # in .gpu/data; default drafter4) and the data arrive with parts 2 and 3. C0 issue 15's 8B figures meanwhile
+  # (SKIP_C0=1 skips them); C1 the GPU tests; C2 synth resumed on the prompts not answered yet, SYNTH_S seconds
+  # (0 skips), the data shipped back; C3 training `--init-from` INIT for TRAIN_BUDGET into OUTNAME, shipped back;
+  # C4 MT-bench. Ran on 2026-12-01 (third session) as C0, C1, C3 from run A's drafter; docs/benchmarks.md.
+  local init=${INIT:-drafter4} out=${OUTNAME:-drafter5}
+  if [ -z "${SKIP_C0:-}" ]; then
+    step c0_throughput $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 \
+      --batch 1 --seq 2048 8192 --steps 6 --json
+    step c0_throughput_math $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 \
+      --ttt-steps 7 --batch 1 --seq 2048 --steps 6 --attention math --json
+    step c0_capture_overhead $PY bench/capture_overhead.py --device cuda --shape 8b --batch 4 --seq 2048 --reps 6 \
+      --teacher hidden --teacher topk:32
+    bundle
+  fi
   wait_assets
-  while [ ! -f "$REPO/.gpu/data/drafter.tar.xz.part01" ]; do sleep 3; done
+  while [ ! -f "$REPO/.gpu/data/$init.tar.xz.part01" ]; do sleep 3; done
   (cd "$RUN" && cat "$REPO"/.gpu/data/data.tar.xz.part* | xz -dc | tar xf - \
-    && cat "$REPO"/.gpu/data/drafter.tar.xz.part* | xz -dc | tar xf -) > "$RUN/logs/c_untar.log" 2>&1
+    && cat "$REPO"/.gpu/data/"$init".tar.xz.part* | xz -dc | tar xf -) > "$RUN/logs/c_untar.log" 2>&1
   mkdir -p "$RUN/results" "$RUN/figs"
   step c1_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
-    tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py tests/runtime/test_gpu.py tests/capture/test_tap.py &
-  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --lr ${LR:-1e-3} --epochs 30 --time-budget ${TRAIN_BUDGET:-540s} --calib-prompts 4 --init-from $RUN/drafter_bf16 \
-    --data jsonl:$RUN/synth0.jsonl --out $RUN/drafter3"
-  if ! step c2_train $HSTAP $T; then  # the fused attention's first GPU run: fall back to the exact kernel
-    rm -rf "$RUN/drafter3"; step c2_train_math $HSTAP $T --ttt-attention math
+    tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
+    tests/runtime/test_gpu.py tests/capture/test_tap.py &
+  if [ "${SYNTH_S:-0}" -gt 0 ]; then  # the first session's input order (shuffled, seed 0): synth appends what is missing
+    $PY -c "import random, sys; lines = open(sys.argv[1]).readlines(); random.Random(0).shuffle(lines); \
+open(sys.argv[2], 'w').writelines(lines)" "$RUN/prompts.jsonl" "$RUN/p0.jsonl"
+    step c2_synth env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -s INT "$SYNTH_S" $HSTAP synth \
+      --model smollm2 --data "jsonl:$RUN/p0.jsonl" --turns all --out "$RUN/synth0.jsonl" --device cuda \
+      --batch-size 256 --max-new-tokens 384
+    cp "$RUN/synth0.jsonl" "$RUN/synth.jsonl" && synth_stats
+    data_out
   fi
   wait
-  ship_drafter drafter3
-  cp "$RUN/drafter3/metrics.jsonl" "$RUN/results/drafter3.metrics.jsonl" 2>/dev/null
-  cp "$RUN"/drafter3/*.png "$RUN/figs/" 2>/dev/null
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --lr ${LR:-1e-3} --epochs 30 --time-budget ${TRAIN_BUDGET:-540s} --calib-prompts 4 \
+    --init-from $RUN/${init}_bf16 --data jsonl:$RUN/synth0.jsonl --out $RUN/$out"
+  step c3_train $HSTAP $T
+  ship_drafter "$out"
+  cp "$RUN/$out/metrics.jsonl" "$RUN/results/$out.metrics.jsonl" 2>/dev/null
+  cp "$RUN/$out"/*.png "$RUN/figs/" 2>/dev/null
   bundle
-  step c3_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/drafter3" --device cuda --dtype bf16 --batch 1 \
-    --shapes ngram:3 chain:3 hybrid:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec3_b1.jsonl"
-  $PY bench/spec_decode.py --table "$RUN/results/spec3_b1.jsonl" > "$RUN/results/spec3_b1_tables.txt" 2>&1
+  step c4_spec_b1 $PY bench/spec_decode.py --drafter "$RUN/$out" --device cuda --dtype bf16 --batch 1 \
+    --shapes ngram:3 chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_$out.jsonl"
+  $PY bench/spec_decode.py --table "$RUN/results/spec_$out.jsonl" > "$RUN/results/spec_${out}_tables.txt" 2>&1
   bundle
   echo "$(date +%T) CONT DONE" >> "$RUN/progress"
 }
