@@ -10,7 +10,8 @@
 #     (call 1 carries .gpu/1 and .whl; call 2 .gpu/2 and .gpu/data/data.tar.xz.part00; call 3 .gpu/3 and the
 #     drafter's two parts .gpu/data/$INIT.tar.xz.part0[01]: under 64 MiB a call)
 #
-# R1 prompts on GPU 0 (ShareGPT every turn, Magpie, stdlib code; PROMPTS total) [B3 on both GPUs meanwhile];
+# R0 the gpu-marked tests, beside R1: prompts on GPU 0 (ShareGPT every turn, Magpie, stdlib code; PROMPTS total)
+#    [B3 on both GPUs meanwhile];
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
@@ -47,6 +48,10 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   wait_assets
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
+  # R0: the gpu-marked tests (issue 11) beside the prompts; the wait after R1 collects them
+  step r0_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
+    tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
+    tests/runtime/test_gpu.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
   lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" \
     --source sharegpt:8 --source magpie:6 --source code:6 --device cuda --batch-size 256
@@ -171,7 +176,8 @@ case ${1:-status} in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
     # run from a private copy: later calls replace this working tree, and bash reads a script as it goes
-    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/pyproject.toml /tmp/hrepo/
+    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
+      /tmp/hrepo/
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_r" > "$RUN/logs/master.log" 2>&1 \
       < /dev/null &
     sleep 3; cat "$RUN/logs/gpus.txt" ;;
