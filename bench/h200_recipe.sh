@@ -15,7 +15,9 @@
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
-# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, tree 8,8,60) at batch 1.
+# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, tree 8,8,60) at batch 1.
+# AB_LOOPS=1 (one GPU): R3 also trains drafter_cut, the same run with `--loops cut` (answers ending in a repetition
+#    loop cut after its first repeat), right after the first; R4 measures both. Give each TRAIN_BUDGET=240s.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/h200_session.sh" source
 SYNTH_S=${SYNTH_S:-400}
@@ -89,9 +91,12 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --out "$RUN/drafter_third"
   fi
   wait
+  if [ -n "${AB_LOOPS:-}" ]; then
+    step r3_train_cut $HSTAP $T --loops cut --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_cut"
+  fi
   step r3_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
   ship_drafter drafter
-  for d in drafter drafter_third; do
+  for d in drafter drafter_third drafter_cut; do
     cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null
     cp "$RUN/$d/config.json" "$RUN/results/$d.config.json" 2>/dev/null
   done
@@ -105,6 +110,14 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
+  if [ -n "${AB_LOOPS:-}" ]; then
+    bundle
+    step r4_spec_cut $PY bench/spec_decode.py --drafter "$RUN/drafter_cut" --device cuda --dtype bf16 --batch 1 \
+      --shapes ngram:3 chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_cut.jsonl"
+  fi
+  for log in "$RUN"/results/spec_*.jsonl; do
+    $PY bench/spec_decode.py --table "$log" > "${log%.jsonl}_tables.txt" 2>&1
+  done
   bundle
   echo "$(date +%T) ALL DONE" >> "$RUN/progress"
 }

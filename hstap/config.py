@@ -35,6 +35,9 @@ Dtype = Literal["bf16", "fp16", "fp32"]  # what a model computes in (eval, expor
 # What captured hidden states are stored in: the compute dtypes, or `fp8` = float8 e4m3 with one fp32 scale per token
 # and layer (hstap.store.fp8). Only a store holds fp8; a model never computes in it here.
 StoreDtype = Literal["bf16", "fp16", "fp32", "fp8"]
+Loops = Literal["keep", "cut"]  # answers ending in a repetition loop (hstap/data/loops.py)
+LOOPS_HELP = ("answers that end in a repetition loop: keep them whole, or cut them after the loop's first repeat "
+              "(the rest out of the loss; counted as loop_cut)")
 LEGACY_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # stores written before 2026-12
 TENSOR_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int64", "int32", "int16", "uint8", "bool")
 

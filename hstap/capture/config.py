@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import Device, StoreDtype, TeacherSpec, option, parse_duration
+from hstap.config import LOOPS_HELP, Device, Loops, StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
@@ -40,6 +40,7 @@ class CaptureConfig(BaseModel):
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
     max_tokens: int = option(2048, "longest sample, in tokens", gt=0)
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
+    loops: Loops = option("keep", LOOPS_HELP)
     device: Device = option("cpu", "cpu | cuda | cuda:N")
     shard_mb: float = option(256, "target shard size in MiB", gt=0)
     commit_every: float = option(60.0, "commit buffered samples as a shard at least this often (90s, 5m): a kill "
@@ -73,6 +74,7 @@ class RemoteCaptureConfig(BaseModel):
     model: str = option("smollm2", "tokenizer: 'smollm2' or the served checkpoint dir")
     served_model: str | None = option(None, "the `model` field to send (default: none)")
     max_tokens: int = option(2048, "longest sample, as for hstap capture", gt=0)
+    loops: Loops = option("keep", f"{LOOPS_HELP}, as for hstap capture")
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     concurrency: int = option(4, "requests in flight", ge=1)
     retries: int = option(3, "attempts per request the server did not take (connection refused or reset, connect "

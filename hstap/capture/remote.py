@@ -163,7 +163,8 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
     from hstap.models import load_tokenizer
 
     url, data, capture_dir, timeout = cfg.url, cfg.data, cfg.capture_dir, cfg.timeout
-    samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens, limit=cfg.limit)
+    samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens, limit=cfg.limit,
+                         loops=cfg.loops)
     if not samples:
         raise HstapError(f"--data {data}: no usable conversations")
     done = _stored_ids(capture_dir)

@@ -121,7 +121,7 @@ def target_files(model: str) -> TargetFiles:
 def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
     return StoreMeta(model_id=target.model_id, model_fingerprint=target.fingerprint, layer_ids=layer_ids,
                      hidden_size=target.hidden_size, hidden_dtype=cfg.dtype, teacher=teacher,
-                     extra={"data": cfg.data, "max_tokens": cfg.max_tokens})
+                     extra={"data": cfg.data, "max_tokens": cfg.max_tokens, "loops": cfg.loops})
 
 
 def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
@@ -131,7 +131,7 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     teacher = cfg.teacher
     report = SkipReport()
     samples = render_all(cfg.data, load_tokenizer(cfg.model), report, max_tokens=cfg.max_tokens,
-                         overlong=cfg.overlong, limit=cfg.limit)
+                         overlong=cfg.overlong, limit=cfg.limit, loops=cfg.loops)
     if not samples:
         raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
     parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1

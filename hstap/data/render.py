@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hstap.data.loops import cut_loops
 from hstap.data.types import Conversation, SkipReport
 from hstap.errors import HstapError
 
@@ -29,8 +30,11 @@ class RenderedSample:
 
 def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
            overlong: Literal["truncate", "skip"] = "truncate",
-           report: SkipReport | None = None) -> RenderedSample | None:
+           report: SkipReport | None = None, loops: Literal["keep", "cut"] = "keep") -> RenderedSample | None:
     """Tokens and assistant-only mask of `conv`, or None (reason counted in `report`) when it is unusable.
+
+    `loops="cut"`: an answer ending in a repetition loop keeps its first period and one repeat in the loss
+    (hstap/data/loops.py); counted as `loop_cut` (answers) and `loop_tokens_cut` (tokens out of the loss).
 
     Over `max_tokens`: "truncate" keeps the first max_tokens tokens (counted `truncated`), "skip" drops the
     sample (`too_long`). A sample whose first answer starts past max_tokens (a 1 MB question, say) would keep no
@@ -44,6 +48,13 @@ def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
         return _drop(report, "special_token_text")
     text, spans = _assistant_spans(conv.messages, tokenizer)
     ids, mask = _tokenize_pieces(text, spans, tokenizer)
+    if loops == "cut":
+        ids, mask, cuts = cut_loops(ids, mask, tokenizer.eos_token_id)
+        if cuts and report is not None:
+            report.add("loop_cut", len(cuts))
+            report.add("loop_tokens_cut", sum(cuts))
+    elif loops != "keep":
+        raise HstapError(f"loops must be 'keep' or 'cut', got {loops!r}")
     if max_tokens is not None and len(ids) > max_tokens:
         if overlong == "skip":
             return _drop(report, "too_long")

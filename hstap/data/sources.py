@@ -37,14 +37,14 @@ def open_source(spec: str, limit: int | None = None, report: SkipReport | None =
 
 
 def render_all(spec: str, tokenizer, report: SkipReport, max_tokens: int, overlong: str = "truncate",
-               limit: int | None = None) -> list[RenderedSample]:
+               limit: int | None = None, loops: str = "keep") -> list[RenderedSample]:
     """Every usable conversation of `spec`, rendered up front (exact token counts for a disk estimate, data errors
     before any model loads). `limit` counts usable samples, after rendering; every skip goes into `report`."""
     samples = []
     for conv in open_source(spec, report=report):
         if limit is not None and len(samples) >= limit:
             break
-        sample = render(conv, tokenizer, max_tokens=max_tokens, overlong=overlong, report=report)
+        sample = render(conv, tokenizer, max_tokens=max_tokens, overlong=overlong, report=report, loops=loops)
         if sample is not None:
             samples.append(sample)
     return samples

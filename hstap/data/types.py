@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
 # counted outcomes of items that still went through (changed on the way), not drops
-KEPT_REASONS = frozenset({"truncated", "recovered_continuation", "continue_cue_dropped"})
+KEPT_REASONS = frozenset({"truncated", "recovered_continuation", "continue_cue_dropped", "loop_cut",
+                          "loop_tokens_cut"})
 
 
 @dataclass

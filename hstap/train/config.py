@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP, layers_text
-from hstap.config import Device, option, parse_duration
+from hstap.config import LOOPS_HELP, Device, Loops, option, parse_duration
 
 # (GPU, CPU) values of the sizes left unset
 DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512),
@@ -36,6 +36,7 @@ class TrainConfig(BaseModel):
     layers: str = option("auto", f"(online) {LAYERS_HELP}")
     max_tokens: int | None = option(None, "(online) longest sample in tokens (default 2048 on a GPU, 512 on a CPU)",
                                     gt=0)
+    loops: Loops = option("keep", f"(online) {LOOPS_HELP}")
     out: Path = option(help="run directory")
     epochs: int = option(1, "passes over the training samples", ge=1)
     lr: float = option(1e-3, "peak learning rate (AdamW, linear warmup, cosine decay)", gt=0)

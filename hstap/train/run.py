@@ -72,9 +72,11 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
 
         layer_ids = parse_layers(cfg.layers, target.num_layers)
         report = SkipReport()
-        samples = render_all(cfg.data, target.tokenizer, report, max_tokens=cfg.max_tokens, limit=cfg.limit)
+        samples = render_all(cfg.data, target.tokenizer, report, max_tokens=cfg.max_tokens, limit=cfg.limit,
+                             loops=cfg.loops)
         if not samples:
             raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
+        tqdm.write(f"hstap train: {len(samples)} samples from {cfg.data}; {report.summary()}")
         teacher = TeacherSpec()
         source = DeviceOnlineSource(target, samples, layer_ids, teacher=teacher, device=str(device))
         return source, layer_ids, teacher

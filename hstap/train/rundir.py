@@ -39,6 +39,9 @@ def preflight(cfg: TrainConfig) -> None:
         raise HstapError("pass either --store DIR (offline) or --online, not both")
     if not cfg.online and cfg.store is None:
         raise HstapError("nothing to train on: pass --store DIR (a capture) or --online --data ...")
+    if not cfg.online and cfg.loops != "keep":
+        raise HstapError(f"--loops {cfg.loops} is for --online; a store keeps what its capture rendered "
+                         "(hstap capture --loops cut)")
     check_device(cfg.device)
     check_out_dir(cfg.out)
     check_run_dir(Path(cfg.out), cfg.resume, cfg.overwrite)

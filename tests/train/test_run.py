@@ -234,3 +234,26 @@ def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
     (other / "config.json").write_text(json.dumps({**cfg_json, "aux_layer_ids": [2, 14, 26]}))
     with pytest.raises(HstapError, match=r"--init-from: drafter in .* has aux_layer_ids=\[2, 14, 26\]"):
         run_train(TrainConfig(store=small_store, out=tmp_path / "c", init_from=other, **FAST), progress=False)
+
+
+def test_online_loops_cut_trains_on_the_cut_samples_and_says_so(target, tmp_path, capsys):
+    """`--loops cut` reaches the online trainer: a conversation whose answer loops is shorter by the loop and its
+    end of turn, the other is unchanged, and the count is printed before training."""
+    from hstap.train.run import _open_source
+
+    sentence = "I'm here to help you with your project, and I'm happy to share my expertise with you. "
+    rows = [{"id": "loops", "messages": [{"role": "user", "content": "Can you help me with my project?"},
+                                         {"role": "assistant", "content": sentence * 12}]},
+            {"id": "plain", "messages": [{"role": "user", "content": "Name a colour."},
+                                         {"role": "assistant", "content": "Blue."}]}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = {}
+    for loops in ("keep", "cut"):
+        cfg = TrainConfig(online=True, data=f"jsonl:{data}", out=tmp_path / loops, loops=loops, **FAST)
+        source, _, _ = _open_source(cfg.sized_for_device(), target, torch.device("cpu"))
+        lengths[loops] = source.lengths
+    per_period = len(target.tokenizer(sentence, add_special_tokens=False)["input_ids"])
+    assert lengths["cut"][1] == lengths["keep"][1]
+    assert lengths["keep"][0] - lengths["cut"][0] >= 9 * per_period  # 12 sentences, 2 kept (one more may merge)
+    assert "loop_cut 1; loop_tokens_cut" in capsys.readouterr().out
