@@ -8,11 +8,13 @@ hstap's runtime (static KV cache, CUDA graphs on a GPU), at one or more batch si
 Defaults: 80 questions (first turn), 256 new tokens, greedy, shapes ngram:3 (prompt lookup, 3 tokens), chain:3
 (the drafter's argmax, 3 steps), hybrid:4,2 (the drafter's chain of 4, replaced by prompt lookup's 4 tokens where
 the last 2 occurred earlier: the fastest shape measured on the H200), tree:8,8,60 (EAGLE-2, depth 8, top-8, 60
-nodes). One untimed warm-up batch per method (it captures the graphs). τ = generated tokens / verification forwards (hstap.metrics.acceptance_length);
-speedup = tokens/s of the method / tokens/s of vanilla, same prompts, same batches, same run; ms per cycle = wall
-time of a batch (prefill included) per verification cycle (a decode step for vanilla), with the drafting and
-verification parts as the device timed them (CUDA events; wall time on a CPU); "same" = answers identical to
-vanilla's token for token (greedy; bf16 rounding makes some differ).
+nodes). One untimed warm-up batch per method (it captures the graphs). τ = generated tokens / verification
+forwards (hstap.metrics.acceptance_length); speedup = tokens/s of the method / tokens/s of vanilla, same prompts,
+same batches, same run; ms per cycle = wall time of a batch (prefill included) per verification cycle (a decode
+step for vanilla), with the drafting and verification parts as the device timed them (CUDA events; wall time on a
+CPU), "between" the device time from one cycle's end to the next one's start (the device waiting for the host),
+and the prefill (prompt forward, first token, the drafter's step-0 entries) per prompt; "same" = answers identical
+to vanilla's token for token (greedy; bf16 rounding makes some differ).
 Every finished prompt is appended to a JSONL log (default DRAFTER/bench.jsonl) with its batch size.
 """
 
@@ -39,7 +41,8 @@ GOALS = [("vanilla", "tok/s", 400.0), ("chain:3", "speedup/τ", 0.85), ("tree:8,
 
 
 def _totals(records: list[dict], method: str) -> dict:
-    keys = ("tokens", "seconds", "verify_forwards", "emitted", "cycles", "draft_seconds", "verify_seconds", "same")
+    keys = ("tokens", "seconds", "verify_forwards", "emitted", "cycles", "draft_seconds", "verify_seconds",
+            "between_seconds", "prefill_seconds", "same")
     total = dict.fromkeys(keys, 0.0)
     for r in records:
         g = r["methods"][method]
@@ -53,8 +56,8 @@ def table(records: list[dict]) -> str:
     methods = list(records[0]["methods"])
     base = _totals(records, "vanilla")
     base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
-    lines = ["| method | τ | tok/s | speedup | speedup/τ | ms per cycle | drafting ms | verification ms | same as "
-             "vanilla |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | τ | tok/s | speedup | speedup/τ | ms per cycle | drafting ms | verification ms | between ms "
+             "| prefill ms per prompt | same as vanilla |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows = {}
     for m in methods:
         t = _totals(records, m)
@@ -65,10 +68,13 @@ def table(records: list[dict]) -> str:
         verify = 1000 * t["verify_seconds"] / t["cycles"] if t["cycles"] else float("nan")
         speedup = rate / base_rate if base_rate else float("nan")
         rows[m] = {"tok/s": rate, "speedup/τ": speedup / tau}
-        split = "–" if m == "vanilla" else f"{draft:.2f}"
-        verified = "–" if m == "vanilla" else f"{verify:.2f}"
-        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | {split} "
-                     f"| {verified} | {int(t['same'])}/{len(records)} |")
+        between = 1000 * t["between_seconds"] / t["cycles"] if t["cycles"] else float("nan")
+        prefill = 1000 * t["prefill_seconds"] / len(records)
+        split = t["prefill_seconds"] > 0  # logs written before 2026-12-01 have no between / prefill times
+        parts = ["–"] * 4 if m == "vanilla" else [f"{draft:.2f}", f"{verify:.2f}", f"{between:.2f}" if split else "–",
+                                                  f"{prefill:.1f}" if split else "–"]
+        lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | "
+                     + " | ".join(parts) + f" | {int(t['same'])}/{len(records)} |")
     for m in methods[1:]:
         accepted = [a for r in records for a in r["methods"][m]["accepted"]]
         depth = max(accepted, default=0)
@@ -119,6 +125,7 @@ def _record(log: Path, batch: int):
         methods = {name: {"tokens": len(g.tokens), "seconds": g.seconds, "verify_forwards": g.verify_forwards,
                           "emitted": sum(g.emitted), "accepted": g.accepted, "cycles": g.cycles,
                           "draft_seconds": g.draft_seconds, "verify_seconds": g.verify_seconds,
+                          "between_seconds": g.between_seconds, "prefill_seconds": g.prefill_seconds,
                           "same_as_vanilla": g.tokens == vanilla}
                    for name, g in generations.items()}
         with open(log, "a") as f:

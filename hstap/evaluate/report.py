@@ -44,15 +44,15 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         "",
         "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded). "
         "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run.", "",
-        "| method | τ | acceptance per position | draft tokens | tokens/s | speedup | ms per cycle: draft / verify "
-        "| same as vanilla |",
+        "| method | τ | acceptance per position | draft tokens | tokens/s | speedup | ms per cycle: draft / verify / "
+        "between | same as vanilla |",
         "|---|---|---|---|---|---|---|---|",
         f"| vanilla | 1.00 | – | 0 | {v['tokens_per_second']:.1f} | 1.00x | – | – |",
     ]
     for s in report["shapes"]:
         acc = " ".join(_fmt(a) for a in s["acceptance_per_position"])
         same = "–" if s["greedy_matches_vanilla"] is None else f"{s['greedy_matches_vanilla']}/{report['prompts']}"
-        ms = f"{_fmt(s.get('draft_ms_per_cycle'), '.1f')} / {_fmt(s.get('verify_ms_per_cycle'), '.1f')}"
+        ms = " / ".join(_fmt(s.get(f"{k}_ms_per_cycle"), ".1f") for k in ("draft", "verify", "between"))
         lines.append(f"| {s['label']} | {_fmt(s['tau'])} | {acc} | {s['mean_draft_tokens']:.1f} | "
                      f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {ms} | {same} |")
     lines += [""] + [f"![{name}]({name})" for name in plot_names] + ["", "## Per prompt", ""]

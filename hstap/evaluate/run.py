@@ -68,11 +68,16 @@ class MethodResult:
         return acceptance_length(sum(sum(g.emitted) for g in self.generations), forwards) if forwards else float("nan")
 
     def ms_per_cycle(self, stage: str) -> float:
-        """Milliseconds of drafting ("draft") or verification ("verify") per cycle of the decoding loop (one
-        verification forward of the whole batch), measured on the device (CUDA events; wall time on a CPU)."""
-        spent = sum(g.draft_seconds if stage == "draft" else g.verify_seconds for g in self.generations)
+        """Milliseconds of drafting ("draft"), verification ("verify") or the device waiting between cycles
+        ("between") per cycle of the decoding loop (one verification forward of the whole batch), measured on the
+        device (CUDA events; wall time on a CPU)."""
+        spent = sum(getattr(g, f"{stage}_seconds") for g in self.generations)
         cycles = sum(g.cycles for g in self.generations)
         return 1000 * spent / cycles if cycles else float("nan")
+
+    def prefill_ms_per_prompt(self) -> float:
+        """Milliseconds per prompt of the prefill, first token and drafter start (outside the cycles)."""
+        return 1000 * sum(g.prefill_seconds for g in self.generations) / max(len(self.generations), 1)
 
     def acceptance_per_position(self) -> list[float]:
         """Fraction of verification forwards whose k-th draft token was accepted, k = 1..depth."""
@@ -148,6 +153,7 @@ def result_dict(result: EvalResult) -> dict:
             "tokens_per_forward_histogram": {str(k): n for k, n in m.tokens_per_forward().items()},
             "mean_draft_tokens": sum(drafted) / len(drafted) if drafted else 0.0,
             "draft_ms_per_cycle": _num(m.ms_per_cycle("draft")), "verify_ms_per_cycle": _num(m.ms_per_cycle("verify")),
+            "between_ms_per_cycle": _num(m.ms_per_cycle("between")), "prefill_ms_per_prompt": m.prefill_ms_per_prompt(),
             "greedy_matches_vanilla": result.greedy_matches(m),
         })
     per_prompt = []

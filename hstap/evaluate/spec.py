@@ -44,6 +44,8 @@ class Generation:
     drafted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # this prompt's share of its batch's drafting and verification time
     verify_seconds: float = 0.0
+    between_seconds: float = 0.0  # ... of the device time between cycles (waiting for the host to launch the next)
+    prefill_seconds: float = 0.0  # ... of the prefill, first token and the drafter's start
     cycles: float = 0.0  # its share of its batch's verification cycles (what draft/verify seconds were spent in)
 
     @property
@@ -98,6 +100,8 @@ class Methods:
             g.seconds = share
             g.draft_seconds = stages.get("draft", 0.0) / len(prompts)
             g.verify_seconds = stages.get("verify", 0.0) / len(prompts)
+            g.between_seconds = stages.get("between", 0.0) / len(prompts)
+            g.prefill_seconds = stages.get("prefill", 0.0) / len(prompts)
         return gens
 
     def _vanilla(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], temperature: float,

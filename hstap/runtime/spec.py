@@ -114,6 +114,8 @@ class SpecDecoder:
         temps = temperature if isinstance(temperature, list) else [temperature] * rows
         top_ps = top_p if isinstance(top_p, list) else [top_p] * rows
         ids, mask = left_pad(prompts, pad_id, self.rt.device)
+        if self.clock:
+            self.clock.start()
         out = self.rt.prefill(ids, mask, max_new_tokens, self.reserve, self.aux_layers)
         logits, aux = out if self.aux_layers else (out, None)
         first = [int(logits[b].argmax()) if temps[b] <= 0 else
@@ -124,6 +126,8 @@ class SpecDecoder:
         slot = self.rt.slot
         st = self._state(slot)
         self._start(st, slot, ids, torch.tensor(first, device=ids.device), aux)
+        if self.clock:
+            self.clock.lap("prefill")  # the prompts' forward, the first token, the drafter's step-0 entries
         if all(r.done for r in results):
             return results
         if all(t <= 0 for t in temps):
@@ -145,8 +149,8 @@ class SpecDecoder:
 
         def launch(i: int) -> None:
             slot.bound += self.depth + 1  # the most a cycle advances a row
-            if self.clock:
-                self.clock.start()
+            if self.clock:  # since the previous cycle's (or the prefill's) last mark: the device waiting on the host
+                self.clock.lap("between")
             draft()
             if self.clock:
                 self.clock.lap("draft")

@@ -36,7 +36,11 @@ def test_run_eval_writes_report_into_the_run_directory(run_dir):
     assert [s["shape"] for s in report["shapes"]] == ["ngram:2", "chain:2", "tree:3,2,4"]
     for s in report["shapes"]:
         assert s["greedy_matches_vanilla"] == 3
-        assert s["draft_ms_per_cycle"] > 0 and s["verify_ms_per_cycle"] > 0
+        assert s["draft_ms_per_cycle"] > 0 and s["verify_ms_per_cycle"] > 0 and s["between_ms_per_cycle"] >= 0
+        assert s["prefill_ms_per_prompt"] > 0
+    for m in result.methods:  # the stages account for (nearly) all of a method's wall time, and nothing twice
+        staged = sum(g.prefill_seconds + g.between_seconds + g.draft_seconds + g.verify_seconds for g in m.generations)
+        assert 0.8 * m.seconds < staged <= m.seconds, (m.name, staged, m.seconds)
         assert 1.0 <= s["tau"] <= DraftShape.parse(s["shape"]).depth + 1
         assert len(s["acceptance_per_position"]) == DraftShape.parse(s["shape"]).depth
         assert s["speedup"] > 0 and s["tokens_per_second"] > 0
