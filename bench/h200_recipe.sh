@@ -18,6 +18,8 @@
 # R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, tree 8,8,60) at batch 1.
 # AB_LOOPS=1 (one GPU): R3 also trains drafter_cut, the same run with `--loops cut` (answers ending in a repetition
 #    loop cut after its first repeat), right after the first; R4 measures both. Give each TRAIN_BUDGET=240s.
+# SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
+#    6 of 57 sampled ones: docs/benchmarks.md).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/h200_session.sh" source
 SYNTH_S=${SYNTH_S:-400}
@@ -71,7 +73,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
     awk "NR % $NGPU == $g" "$RUN/shuffled.jsonl" > "$RUN/p$g.jsonl"
     step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       timeout -s INT "$SYNTH_S" $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" --turns all \
-      --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 &
+      --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 --temperature "${SYNTH_T:-0}" &
   done
   wait
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
