@@ -20,6 +20,7 @@ shard file in place, manifest not yet updated), `shard-write` (store writer, hal
 `manifest-write` (store writer, half of a manifest's bytes in its `.tmp`), `sample-buffered` (store writer, a
 sample copied into the buffer), `capture-checked` (capture: store locked, layers and disk checked, model not yet
 loaded), `model-loaded` (capture), `batch-forwarded` (capture, a batch's forward done and handed to the tap),
+`batch-followed` (capture, a tensor-parallel rank other than 0 done with a batch's forward),
 `record-write` (synth/prompts, before a whole output line is written), `record-written` (synth/prompts, after a
 whole output line), `model-load` (any command, target weights read, tokenizer not yet), `decode-step` (runtime
 decode loop, after each new token of a batch: mid-batch in synth), `train-batch` (train, after a batch's backward,

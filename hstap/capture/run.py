@@ -138,10 +138,13 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     files = target_files(cfg.model)
     layer_ids = parse_layers(cfg.layers, files.num_layers)
     if parallel and int(os.environ.get("RANK", "0")) != 0:
-        target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
-        return _follow_rank0(target, samples, cfg, report)
+        with StopSignals() as stop:
+            target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
+            result = _follow_rank0(target, samples, cfg, report, stop)
+        stop.raise_if_stopped(f"rank {os.environ['RANK']} stopped with rank 0, which commits the store")
+        return result
     meta = capture_meta(files, layer_ids, cfg, teacher)
-    with StopSignals(enabled=not parallel) as stop, \
+    with StopSignals() as stop, \
             StoreWriter(cfg.out, meta, shard_bytes=int(cfg.shard_mb * 2**20), commit_every_s=cfg.commit_every,
                         repair=cfg.repair) as writer:
         todo = [s for s in samples if s.id not in writer.committed_ids]
@@ -164,7 +167,7 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
             start = time.perf_counter()
             tap_report = prefill_with_tap(target, todo, layer_ids, teacher, sink, dtype=cfg.dtype,
                                           batch_tokens=cfg.batch_tokens, device=cfg.device, progress=progress,
-                                          stop=lambda: stop.signum is not None or sink.error is not None)
+                                          stop=lambda: stop.agree(failed=sink.error is not None))
             seconds = time.perf_counter() - start
             if sink.error is not None:
                 writer.discard()  # its commit failed: those samples are captured again on resume
@@ -176,18 +179,24 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
                          cleaned=list(writer.cleaned), notes=list(writer.notes))
 
 
-def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, report: SkipReport) -> CaptureResult:
+def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, report: SkipReport,
+                  stop: StopSignals) -> CaptureResult:
     """A tensor-parallel rank other than 0: the same forwards as rank 0 (its collectives need them), no tap, no
-    store. It never waits on the tap: rank 0's tap copies asynchronously and adds no collective."""
+    store. It never waits on the tap: rank 0's tap copies asynchronously and adds no collective. It stops after
+    the batch rank 0 stops after (`StopSignals.agree`)."""
     todo_ids = [None]
     torch.distributed.broadcast_object_list(todo_ids, src=0)
     wanted = set(todo_ids[0])
     todo = [s for s in samples if s.id in wanted]
+    stop.defer()
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in make_batches(todo, cfg.batch_tokens):
+            if stop.agree():
+                break
             inputs, _ = _to_model_inputs(batch, target.tokenizer.pad_token_id, cfg.device)
             target.model(**inputs, use_cache=False)
+            fault_point("batch-followed")
     return CaptureResult(out=cfg.out, captured=0, skipped_committed=len(samples) - len(todo),
                          tokens=sum(len(s.input_ids) for s in todo), seconds=time.perf_counter() - start,
                          data_report=report, tap_report=TapReport(), cleaned=[])

@@ -58,3 +58,38 @@ def test_two_rank_tensor_parallel_capture_equals_one_process(even_heads_model, t
     result = compare_stores(tmp_path / "tp", tmp_path / "single", rtol=1e-5, min_cos=0.99999)
     assert result.ok and result.common == 12, result.verdict()
     assert result.tensors["hidden.1"].rtol == 1e-5 and result.tensors["teacher.topk_logprobs"].rtol == 2 ** -10
+
+
+@pytest.mark.parametrize("signalled", ["rank 0", "rank 1"])
+def test_sigterm_to_one_rank_stops_both_after_the_same_batch_and_the_store_resumes(even_heads_model, tmp_path,
+                                                                                  signalled):
+    """Under torchrun a SIGTERM reaches the ranks one by one (HSTAP_FAULT sends it to one rank, after its 2nd
+    batch: no timer). Both ranks stop after that batch — neither waits in an all-reduce the other never joins —
+    both exit 143, the store holds exactly the samples of the first two batches, verifies, and the same command
+    then completes it to the one-process store."""
+    from hstap.capture.run import make_batches
+    from hstap.data import SkipReport, render_all
+    from hstap.models import load_tokenizer
+    from hstap.store import verify_store
+
+    point = "batch-forwarded" if signalled == "rank 0" else "batch-followed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hstap.cli",
+           "capture", "--model", str(even_heads_model), "--data", "sharegpt", "--limit", "12", "--max-tokens", "96",
+           "--batch-tokens", "256", "--dtype", "fp32", "--layers", "0,1,3", "--out", str(tmp_path / "tp")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HSTAP_FAULT": f"{point}:2:TERM"}
+    stopped = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    samples = render_all("sharegpt", load_tokenizer(str(even_heads_model)), SkipReport(), max_tokens=96, limit=12)
+    first_two = [s.id for batch in list(make_batches(samples, 256))[:2] for s in batch]
+    assert 0 < len(first_two) < 12
+    # rank 0 says so itself (the other rank's exit may be torchrun's teardown: its wording is torchrun's)
+    assert stopped.returncode != 0 and f"hstap: stopped by SIGTERM: {len(first_two)} samples committed in " \
+        in stopped.stderr, stopped.stderr[-3000:]
+    assert open_store(tmp_path / "tp").ids() == first_two and verify_store(tmp_path / "tp") == []
+    env.pop("HSTAP_FAULT")
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    single = CaptureConfig(model=str(even_heads_model), data="sharegpt", limit=12, max_tokens=96, batch_tokens=256,
+                           dtype="fp32", layers="0,1,3", out=tmp_path / "single")
+    run_capture(single, progress=False)
+    result = compare_stores(tmp_path / "tp", tmp_path / "single", rtol=1e-5, min_cos=0.99999)
+    assert result.ok and result.common == 12, result.verdict()
