@@ -53,7 +53,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
   # R0: the gpu-marked tests (issue 11) beside the prompts; the wait after R1 collects them
-  step r0_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
+  step r0_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
