@@ -70,9 +70,11 @@ def table(records: list[dict]) -> str:
         rows[m] = {"tok/s": rate, "speedup/τ": speedup / tau}
         between = 1000 * t["between_seconds"] / t["cycles"] if t["cycles"] else float("nan")
         prefill = 1000 * t["prefill_seconds"] / len(records)
-        split = t["prefill_seconds"] > 0  # logs written before 2026-12-01 have no between / prefill times
-        parts = ["–"] * 4 if m == "vanilla" else [f"{draft:.2f}", f"{verify:.2f}", f"{between:.2f}" if split else "–",
-                                                  f"{prefill:.1f}" if split else "–"]
+        parts = ["–"] * 4
+        if m != "vanilla":
+            parts = [f"{draft:.2f}", f"{verify:.2f}", f"{between:.2f}", f"{prefill:.1f}"]
+            if not t["prefill_seconds"]:  # logs written before 2026-12-01 have no between / prefill times
+                parts[2:] = ["–", "–"]
         lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | "
                      + " | ".join(parts) + f" | {int(t['same'])}/{len(records)} |")
     for m in methods[1:]:

@@ -14,8 +14,9 @@ committed shards are safe either way; only the buffer is at stake).
 
 Under torchrun (a tensor-parallel target) every rank runs every forward, so the ranks must stop after the same
 batch: a rank that stopped alone would leave the others waiting in the next forward's all-reduce. Before each
-batch they agree (`StopSignals.agree`: one all-reduce of a stop code), so a signal to any rank — torchrun forwards the scheduler's
-SIGTERM to all of them, at slightly different moments — and a failed commit on rank 0 stop all of them there.
+batch they agree (`StopSignals.agree`: one all-reduce of a stop code), so a signal to any rank — torchrun
+forwards the scheduler's SIGTERM to all of them, at slightly different moments — and a failed commit on rank 0
+stop all of them there.
 """
 
 from __future__ import annotations

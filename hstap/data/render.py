@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hstap.config import Loops
 from hstap.data.loops import cut_loops
 from hstap.data.types import Conversation, SkipReport
 from hstap.errors import HstapError
@@ -30,7 +31,7 @@ class RenderedSample:
 
 def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
            overlong: Literal["truncate", "skip"] = "truncate",
-           report: SkipReport | None = None, loops: Literal["keep", "cut"] = "keep") -> RenderedSample | None:
+           report: SkipReport | None = None, loops: Loops = "keep") -> RenderedSample | None:
     """Tokens and assistant-only mask of `conv`, or None (reason counted in `report`) when it is unusable.
 
     `loops="cut"`: an answer ending in a repetition loop keeps its first period and one repeat in the loss

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+from hstap.config import Loops
 from hstap.data.jsonl import iter_jsonl
 from hstap.data.mtbench import load_mtbench
 from hstap.data.render import RenderedSample, render
@@ -37,7 +38,7 @@ def open_source(spec: str, limit: int | None = None, report: SkipReport | None =
 
 
 def render_all(spec: str, tokenizer, report: SkipReport, max_tokens: int, overlong: str = "truncate",
-               limit: int | None = None, loops: str = "keep") -> list[RenderedSample]:
+               limit: int | None = None, loops: Loops = "keep") -> list[RenderedSample]:
     """Every usable conversation of `spec`, rendered up front (exact token counts for a disk estimate, data errors
     before any model loads). `limit` counts usable samples, after rendering; every skip goes into `report`."""
     samples = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hstap.data import Conversation, RenderedSample, SkipReport, load_mtbench, open_source, render, render_prompt
+from hstap.data.loops import answer_spans
 from hstap.errors import HstapError
 
 EOT = "<|im_end|>"
@@ -28,18 +29,6 @@ def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _runs(mask: list[bool]) -> list[tuple[int, int]]:
-    """[start, end) of each contiguous run of True."""
-    runs, start = [], None
-    for t, m in enumerate(mask + [False]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            runs.append((start, t))
-            start = None
-    return runs
-
-
 def test_sample_covers_multi_turn(convs):
     assert len(convs) == 50
     assert sum(sum(m["role"] == "assistant" for m in c.messages) >= 3 for c in convs) >= 10
@@ -48,7 +37,7 @@ def test_sample_covers_multi_turn(convs):
 def test_masked_runs_are_exactly_answers_plus_eot(convs, samples, tokenizer):
     for conv, s in zip(convs, samples):
         answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
-        runs = _runs(s.loss_mask)
+        runs = answer_spans(s.loss_mask)
         assert [_decode(tokenizer, s.input_ids[a:b]) for a, b in runs] == [a + EOT for a in answers], conv.id
         for (a, b), answer in zip(runs, answers):
             # The very tokens the target emits when it generates the answer after the header.
@@ -66,7 +55,7 @@ def test_full_decode_equals_template_text(convs, samples, tokenizer):
 
 def test_render_prompt_is_prefix_of_rendered_sample(convs, samples, tokenizer):
     for conv, s in list(zip(convs, samples))[:10]:
-        runs = iter(_runs(s.loss_mask))
+        runs = iter(answer_spans(s.loss_mask))
         for i, m in enumerate(conv.messages):
             if m["role"] == "assistant":
                 start, _ = next(runs)
@@ -103,7 +92,7 @@ def test_piecewise_tokenization_differs_from_whole_text_at_boundaries(tokenizer)
     # masked tokens must still be tokenize(answer + eot), what the target generates after the header.
     conv = Conversation("nl", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\n\nx"}], "t")
     s = render(conv, tokenizer)
-    (a, b), = _runs(s.loss_mask)
+    (a, b), = answer_spans(s.loss_mask)
     assert s.input_ids[a:b] == tokenizer("\n\nx" + EOT, add_special_tokens=False)["input_ids"]
     text = tokenizer.apply_chat_template(conv.messages, tokenize=False)
     assert tokenizer(text, add_special_tokens=False)["input_ids"] != s.input_ids
