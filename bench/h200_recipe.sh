@@ -17,7 +17,8 @@
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
 # R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, tree 8,8,60) at batch 1.
 # AB_LOOPS=1 (one GPU): R3 also trains drafter_cut, the same run with `--loops cut` (answers ending in a repetition
-#    loop cut after its first repeat), right after the first; R4 measures both. Give each TRAIN_BUDGET=240s.
+#    loop cut after its first repeat), beside the first on the same GPU for the same wall time; R4 measures both.
+# PROFILE=1: R5 profiles the online trainer's step (bench/train_online.py --profile) after everything else.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 set -uo pipefail
@@ -83,7 +84,10 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --lr 2e-3 --epochs 30 --time-budget $TRAIN_BUDGET --calib-prompts 4"
+    --lr 2e-3 --epochs 30 --time-budget $TRAIN_BUDGET --calib-prompts 4 --prefetch"
+  if [ -n "${AB_LOOPS:-}" ]; then  # keep and cut side by side on the one GPU: same data, same wall time
+    step r3_train_cut $HSTAP $T --loops cut --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_cut" &
+  fi
   lane step r3_train $TR --nproc_per_node "$NGPU" -m hstap.cli $T --data "jsonl:$RUN/synth.jsonl" \
     --out "$RUN/drafter"
   if [ "$NGPU" -gt 1 ]; then
@@ -93,11 +97,9 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --out "$RUN/drafter_third"
   fi
   wait
-  if [ -n "${AB_LOOPS:-}" ]; then
-    step r3_train_cut $HSTAP $T --loops cut --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_cut"
-  fi
   step r3_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
   ship_drafter drafter
+  [ -n "${AB_LOOPS:-}" ] && ship_drafter drafter_cut
   for d in drafter drafter_third drafter_cut; do
     cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null
     cp "$RUN/$d/config.json" "$RUN/results/$d.config.json" 2>/dev/null
@@ -115,7 +117,13 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   if [ -n "${AB_LOOPS:-}" ]; then
     bundle
     step r4_spec_cut $PY bench/spec_decode.py --drafter "$RUN/drafter_cut" --device cuda --dtype bf16 --batch 1 \
-      --shapes ngram:3 chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_cut.jsonl"
+      --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_cut.jsonl"
+  fi
+  if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
+    bundle
+    step r5_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \
+      --profile "$RUN/prof"  # its Chrome trace is hundreds of MB: only the op table comes back
+    cp "$RUN/prof/train_online_ops.txt" "$RUN/results/" 2>/dev/null
   fi
   for log in "$RUN"/results/spec_*.jsonl; do
     $PY bench/spec_decode.py --table "$log" > "${log%.jsonl}_tables.txt" 2>&1
@@ -201,7 +209,13 @@ case ${1:-status} in
     bundle
     if [ -n "${OUT:-}" ]; then
       cp "$RUN"/out/results.tgz.part* "$OUT"/ 2>/dev/null
-      for f in "$RUN"/out/data.* "$RUN"/out/drafter*; do [ -f "$f" ] && mv "$f" "$OUT"/; done
+      # whole parts, at most 48 MB a call beside the results (64 MiB come back per call); the rest the next call
+      moved=0
+      for f in "$RUN"/out/data.* "$RUN"/out/drafter*; do
+        [ -f "$f" ] || continue
+        sz=$(stat -c %s "$f"); [ $((moved + sz)) -gt 48000000 ] && break
+        mv "$f" "$OUT"/ && moved=$((moved + sz))
+      done
     fi
     ls -la "$OUT" 2>/dev/null ;;
   cont)  # call 1 of a session that continues an earlier drafter: .gpu/data arrives with parts 2 and 3
