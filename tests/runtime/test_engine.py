@@ -175,8 +175,15 @@ def test_chunked_prefill_equals_one_forward(target, monkeypatch):
     whole = run()
     monkeypatch.setattr(target_module, "PREFILL_TOKENS", 6)  # one 6-token row per forward
     chunked = run()
-    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-5, atol=1e-5)
+    # One padded forward and three unpadded ones take different SDPA paths (masked vs causal): fp32 rounding
+    # through 30 layers moves a logit by up to ~4e-3 of ~33 (CI, 2026-12-01; 1e-4 of the row's norm). A row
+    # loaded at the wrong offset or logits concatenated out of order differ by O(1), so bound each row's
+    # relative error at 1e-3 and require the same next token.
+    assert torch.equal(chunked[0].argmax(-1), whole[0].argmax(-1))
+    for row in range(len(prompts)):
+        for got, ref in ((chunked[0][row], whole[0][row]), (chunked[1][:, row], whole[1][:, row])):
+            rel = float((got - ref).norm() / ref.norm())
+            assert rel < 1e-3, f"row {row}: relative error {rel:.2e}"
 
 
 def test_an_evicted_slot_frees_its_cache_before_the_next_is_allocated(target, prompts):
