@@ -16,8 +16,9 @@
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
 # R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, tree 8,8,60) at batch 1.
-# AB_LOOPS=1 (one GPU): R3 also trains drafter_cut, the same run with `--loops cut` (answers ending in a repetition
-#    loop cut after its first repeat), beside the first on the same GPU for the same wall time; R4 measures both.
+# AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
+#    GPU for the same wall time; R4 measures both. AB_ARGS="--loops cut": answers ending in a repetition loop cut
+#    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
 # PROFILE=1: R5 profiles the online trainer's step (bench/train_online.py --profile) after everything else.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
@@ -27,6 +28,7 @@ SYNTH_S=${SYNTH_S:-400}
 TRAIN_BUDGET=${TRAIN_BUDGET:-480s}  # the drafter gains with every step (docs/benchmarks.md: 14 M tokens
 # chain-3 tau 1.81, 36 M 2.10, 57 M 2.22) and nothing outlives the session: give training what the session spares
 PROMPTS=${PROMPTS:-20000}
+[ -n "${AB_LOOPS:-}" ] && AB_ARGS=${AB_ARGS:---loops cut}
 
 data_out() {  # prompts + answers, xz-compressed, in 15 MB parts: they travel back once (status moves them)
   mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
@@ -85,8 +87,9 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
     --lr 2e-3 --epochs 30 --time-budget $TRAIN_BUDGET --calib-prompts 4 --prefetch"
-  if [ -n "${AB_LOOPS:-}" ]; then  # keep and cut side by side on the one GPU: same data, same wall time
-    step r3_train_cut $HSTAP $T --loops cut --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_cut" &
+  if [ -n "${AB_ARGS:-}" ]; then  # both arms side by side on the one GPU: same data, same wall time
+    echo "$AB_ARGS" > "$RUN/results/ab_args.txt"
+    step r3_train_ab $HSTAP $T $AB_ARGS --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_ab" &
   fi
   lane step r3_train $TR --nproc_per_node "$NGPU" -m hstap.cli $T --data "jsonl:$RUN/synth.jsonl" \
     --out "$RUN/drafter"
@@ -99,8 +102,8 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   wait
   step r3_export $HSTAP export --drafter "$RUN/drafter" --format sglang --out "$RUN/export-sglang" --force
   ship_drafter drafter
-  [ -n "${AB_LOOPS:-}" ] && ship_drafter drafter_cut
-  for d in drafter drafter_third drafter_cut; do
+  [ -n "${AB_ARGS:-}" ] && ship_drafter drafter_ab
+  for d in drafter drafter_third drafter_ab; do
     cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null
     cp "$RUN/$d/config.json" "$RUN/results/$d.config.json" 2>/dev/null
   done
@@ -114,10 +117,10 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
-  if [ -n "${AB_LOOPS:-}" ]; then
+  if [ -n "${AB_ARGS:-}" ]; then
     bundle
-    step r4_spec_cut $PY bench/spec_decode.py --drafter "$RUN/drafter_cut" --device cuda --dtype bf16 --batch 1 \
-      --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_cut.jsonl"
+    step r4_spec_ab $PY bench/spec_decode.py --drafter "$RUN/drafter_ab" --device cuda --dtype bf16 --batch 1 \
+      --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_ab.jsonl"
   fi
   if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
     bundle

@@ -8,7 +8,7 @@ learning to copy the last few dozen tokens, which prompt lookup (`hybrid:K`) doe
 estimate is inflated by the same tokens. `--loops cut` keeps each loop's first period plus `keep_repeats` repeats
 (so the drafter still learns that a loop repeats), takes the rest out of the loss, and ends the sample there when
 no answer follows (its tokens would be context for nothing). Whether that raises MT-bench τ is for a GPU run to
-say (`AB_LOOPS=1 bash bench/h200_recipe.sh start`); the default keeps every token, as before.
+say (`AB_ARGS="--loops cut" bash bench/h200_recipe.sh start`); the default keeps every token, as before.
 
     period, tail = periodic_tail(ids)                  # (0, 0) when the ids do not end in a loop
     ids, mask, cut = cut_loops(ids, mask, end_id=eos)  # per answer span of the loss mask

@@ -53,6 +53,10 @@ class TrainConfig(BaseModel):
         "auto = flex on CUDA")
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
                                            "on a CPU)", ge=1)
+    loss_on: Literal["answers", "all"] = option(
+        "answers", "positions the loss counts: answers (those predicting an assistant token, EAGLE-3's recipe) or "
+        "all (prompt tokens too: the drafter computes them anyway and the target's distribution is the teacher "
+        "there as well; held-out figures stay on answers)")
     heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
     seed: int = option(0, "seed of the split, the batch order and the initial weights")
     device: Device = option("cpu", "cpu | cuda | cuda:N")

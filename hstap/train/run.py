@@ -97,6 +97,8 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
     if meta.hidden_size != target.hidden_size:
         raise HstapError(f"store {cfg.store}: hidden_size={meta.hidden_size}, the target's is {target.hidden_size}")
     _check_store_tensors(cfg.store, store.manifest, meta.layer_ids)
+    rundir.check_loss_on(cfg.loss_on, meta.extra.get("loops", "keep"),
+                         f"the capture of store {cfg.store} (--loops cut)")
     if cfg.limit is not None and cfg.limit < len(store):
         raise HstapError(f"--limit {cfg.limit} is for --online; train on a store of that size instead")
     return StoreSource(store, lm_head=target.model.get_output_embeddings()), list(meta.layer_ids), meta.teacher
@@ -239,7 +241,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention))
+    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on))
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)

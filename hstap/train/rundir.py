@@ -42,12 +42,21 @@ def preflight(cfg: TrainConfig) -> None:
     if not cfg.online and cfg.loops != "keep":
         raise HstapError(f"--loops {cfg.loops} is for --online; a store keeps what its capture rendered "
                          "(hstap capture --loops cut)")
+    if cfg.online:
+        check_loss_on(cfg.loss_on, cfg.loops, "--loops cut")
     check_device(cfg.device)
     check_out_dir(cfg.out)
     check_run_dir(Path(cfg.out), cfg.resume, cfg.overwrite)
     layers = int(model_config(cfg.model)["num_hidden_layers"])  # names a missing model directory now
     if cfg.online:
         parse_layers(cfg.layers, layers)
+
+
+def check_loss_on(loss_on: str, loops: str, where: str) -> None:
+    """`--loops cut` takes loop tails out of the loss mask; `--loss-on all` would count them again."""
+    if loss_on == "all" and loops == "cut":
+        raise HstapError(f"--loss-on all would count the loop tails that {where} took out of the loss: train with "
+                         "--loss-on answers, or on answers whose loops are kept (--loops keep)")
 
 
 def check_run_dir(out: Path, resume: bool, overwrite: bool) -> None:

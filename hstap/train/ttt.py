@@ -4,7 +4,8 @@ Step 0 at position t reads the target's hidden state h_t and the embedding of to
 Step k reads its own step-(k-1) output at t and token t+1+k, sits at rotary position t+k, and attends to the
 step-0 keys of positions ≤ t plus its own chain's keys of steps 1..k at t — what a chain draft from t sees at
 inference. Its teacher is the target's distribution at t+1+k (over token t+2+k), counted only where token t+2+k
-is an assistant token and the target's argmax is in the draft vocabulary. Step k's loss is weighted decay**k.
+is an assistant token (any token of the sample with `loss_on="all"`) and the target's argmax is in the draft
+vocabulary. Step k's loss is weighted decay**k.
 
 Memory per step stays linear in the sequence: attention runs a fused causal kernel over the step-0 keys and merges
 the diagonal keys by log-sum-exp (`hstap.train.attention`; no (B, nh, S, S) scores on CUDA), and `lm_head` is fused
@@ -131,9 +132,15 @@ class TTTOutput:
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, steps: int = 7,
-                decay: float = 0.8, attention: str = "auto") -> TTTOutput:
+                decay: float = 0.8, attention: str = "auto", loss_on: str = "answers") -> TTTOutput:
     """Unroll `steps` draft steps over the whole batch; see the module docstring for the alignment.
-    `attention`: the TTTAttention backend (auto = a fused kernel on CUDA, materialised scores elsewhere)."""
+    `attention`: the TTTAttention backend (auto = a fused kernel on CUDA, materialised scores elsewhere).
+    `loss_on`: "answers" counts the positions that predict an assistant token; "all" every position that
+    predicts a token of the sample, prompts included (the drafter computes them anyway, and the teacher there is
+    still the target's own distribution). Held-out evaluation always counts answers."""
+    if loss_on not in ("answers", "all"):
+        raise ValueError(f"loss_on={loss_on!r}: expected 'answers' or 'all'")
+    counted = batch.loss_mask if loss_on == "answers" else batch.valid  # (B, S) tokens whose prediction counts
     cfg = drafter.config
     attend = TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads, attention)
     b, s = batch.input_ids.shape
@@ -147,8 +154,8 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
         teacher_ids = shift_left(batch.topk_ids, 1 + k, 0)  # target distribution at t+1+k
         teacher_lp = shift_left(batch.topk_logprobs, 1 + k, float("-inf"))
         draft_ids, probs, argmax_inside = teacher_in_draft_vocab(teacher_ids, teacher_lp, t2d_ids)
-        predicted_is_answer = shift_left(batch.loss_mask & batch.valid, 2 + k, False)  # token t+2+k
-        weight = predicted_is_answer & argmax_inside & batch.valid
+        predicted_counts = shift_left(counted & batch.valid, 2 + k, False)  # token t+2+k
+        weight = predicted_counts & argmax_inside & batch.valid
         # = soft_cross_entropy(lm_head(norm(hidden)), ...), one block of positions at a time (hstap.train.loss)
         loss, count, predicted = head_soft_cross_entropy(drafter.norm(hidden), drafter.lm_head.weight, draft_ids,
                                                          probs, weight)  # predicted (B, S) draft ids
@@ -229,14 +236,15 @@ class TTTModel(nn.Module):
     """`ttt_forward` as a module, so DistributedDataParallel sees one forward per step; returns tensors only."""
 
     def __init__(self, drafter: Eagle3Drafter, t2d_ids: torch.Tensor, steps: int, decay: float,
-                 attention: str = "auto"):
+                 attention: str = "auto", loss_on: str = "answers"):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("t2d_ids", t2d_ids, persistent=False)
-        self.steps, self.decay, self.attention = steps, decay, attention
+        self.steps, self.decay, self.attention, self.loss_on = steps, decay, attention, loss_on
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay, self.attention)
+        out = ttt_forward(self.drafter, TTTBatch(*tensors), self.t2d_ids, self.steps, self.decay, self.attention,
+                          self.loss_on)
         return out.loss, out.stats, out.run_lengths, out.run_valid
 
 

@@ -257,3 +257,27 @@ def test_online_loops_cut_trains_on_the_cut_samples_and_says_so(target, tmp_path
     assert lengths["cut"][1] == lengths["keep"][1]
     assert lengths["keep"][0] - lengths["cut"][0] >= 9 * per_period  # 12 sentences, 2 kept (one more may merge)
     assert "loop_cut 1; loop_tokens_cut" in capsys.readouterr().out
+
+
+def test_loss_on_all_reaches_the_trainer_and_refuses_cut_loops(small_store, tmp_path):
+    """`--loss-on all` changes the trained loss (the same seed and batch, more positions counted) while the
+    held-out figures stay on answers; with loop tails cut out of the loss (online `--loops cut`, or a store captured
+    so) it is a one-line error, the online one before any model loads."""
+    from hstap.train import rundir
+
+    common = dict(store=small_store, max_steps=1, batch_tokens=256, **FAST)
+    runs = {on: run_train(TrainConfig(out=tmp_path / on, loss_on=on, **common), progress=False)
+            for on in ("answers", "all")}
+    first = {on: next(r for r in load_metrics(tmp_path / on / "metrics.jsonl") if r["kind"] == "train")["loss"]
+             for on in runs}
+    assert first["all"] != first["answers"]
+    assert runs["all"].initial_heldout == runs["answers"].initial_heldout  # the same untrained drafter, on answers
+
+    online = TrainConfig(online=True, loops="cut", loss_on="all", out=tmp_path / "o", **FAST)
+    with pytest.raises(HstapError, match=r"--loss-on all would count the loop tails that --loops cut") as err:
+        rundir.preflight(online)
+    assert "\n" not in str(err.value)
+    cut = _edit_manifest(small_store, tmp_path / "cut", lambda m: m["meta"]["extra"].__setitem__("loops", "cut"))
+    with pytest.raises(HstapError, match=r"store .*cut \(--loops cut\) took out of the loss.*--loss-on answers"):
+        run_train(TrainConfig(store=cut, out=tmp_path / "c", loss_on="all", **FAST), progress=False)
+    run_train(TrainConfig(store=cut, out=tmp_path / "c2", max_steps=1, batch_tokens=256, **FAST), progress=False)

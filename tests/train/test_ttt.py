@@ -36,3 +36,43 @@ def test_shift_left_and_tau_estimate():
     assert n1 == 4 and tau1 == pytest.approx(1 + (0 + 1 + 1 + 1) / 4)
     tau3, n3 = estimated_tau(runs, ok, 3)
     assert n3 == 3 and tau3 == pytest.approx(1 + (0 + 1 + 3) / 3)  # the last position lacks 3 countable steps
+
+
+def test_loss_on_all_counts_prompt_positions_too(small_store, target):
+    """`--loss-on all` counts every position that predicts a token of the sample (prompts included); the default
+    counts those predicting an answer token. Counted positions are recomputed here from the stored tokens, masks and
+    teacher; on a batch whose every token is an answer token the two modes are the same loss."""
+    import dataclasses
+
+    from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
+    from hstap.store import open_store
+    from hstap.train.data import StoreSource, load_batch
+    from hstap.train.ttt import ttt_forward
+
+    store = open_store(small_store)
+    layers = list(store.manifest.meta.layer_ids)
+    batch = load_batch(StoreSource(store), [0, 1, 2, 3], layers, torch.device("cpu"))
+    vocab = target.model.config.vocab_size
+    d2t, t2d = build_draft_vocab(torch.bincount(batch.input_ids[batch.valid], minlength=vocab), 2048)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(target.model.config, layers, 2048, "m", "f"))
+    drafter.init_from_target(target.model, d2t, t2d)
+    t2d_ids = target_to_draft_ids(d2t, vocab)
+    steps = 3
+    with torch.no_grad():
+        runs = {on: ttt_forward(drafter, batch, t2d_ids, steps, 0.8, "math", on) for on in ("answers", "all")}
+    argmax_in = t2d_ids[batch.topk_ids[..., 0]] >= 0  # (B, S): the teacher's top-1 at t is in the draft vocab
+    for on, counted in (("answers", batch.loss_mask & batch.valid), ("all", batch.valid)):
+        expected = [int((shift_left(argmax_in, 1 + k, False) & shift_left(counted, 2 + k, False)).sum())
+                    for k in range(steps)]
+        assert runs[on].step_counted == expected, on
+    prompt_share = 1 - int((batch.loss_mask & batch.valid).sum()) / int(batch.valid.sum())
+    assert prompt_share > 0.1 and all(a > b for a, b in zip(runs["all"].step_counted, runs["answers"].step_counted))
+    assert not torch.equal(runs["all"].loss, runs["answers"].loss)
+
+    every = dataclasses.replace(batch, loss_mask=batch.valid.clone())
+    with torch.no_grad():
+        same = [ttt_forward(drafter, every, t2d_ids, steps, 0.8, "math", on).loss for on in ("answers", "all")]
+    assert torch.equal(same[0], same[1])
+    with pytest.raises(ValueError, match="loss_on='prompts'"):
+        ttt_forward(drafter, batch, t2d_ids, steps, 0.8, "math", "prompts")
