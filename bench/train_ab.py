@@ -1,5 +1,6 @@
 """A/B of one training choice: two `hstap train` runs on the same store, with the same seed, batches and steps, that
-differ only by the settings given for each arm; then their held-out figures at every epoch side by side and, with
+differ only by the settings given for each arm (any TrainConfig field, `store` too: an arm may train on another
+capture of the same conversations); then their held-out figures at every epoch side by side and, with
 --mtbench N, τ on N MT-bench first turns replayed on the target's greedy answers (hstap.train.replay, fp32) for
 n-gram 3, chain 3 and hybrid 4,2. Seeds given together run one after another.
 
@@ -36,9 +37,10 @@ def parse_settings(pairs: list[str]) -> dict[str, str]:
 def train_arm(args: argparse.Namespace, name: str, settings: dict, seed: int) -> Path:
     out = args.out / f"{name}_s{seed}"
     start = time.perf_counter()
-    cfg = TrainConfig(store=args.store, out=out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=seed, calib_prompts=0,
-                      device=args.device, overwrite=True, **settings)
+    base = dict(store=args.store, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=seed, calib_prompts=0,
+                device=args.device)
+    cfg = TrainConfig(**{**base, **settings}, out=out, overwrite=True)  # an arm's settings override the flags
     result = run_train(cfg, progress=False)
     print(f"arm {name} {settings} seed {seed}: {result.summary()} ({time.perf_counter() - start:.0f} s)", flush=True)
     return out
@@ -79,7 +81,8 @@ def mtbench_table(runs: dict[str, Path], limit: int, max_new_tokens: int) -> Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", type=Path, required=True, help="a capture store (hstap capture)")
+    ap.add_argument("--store", type=Path, required=True,
+                    help="a capture store (hstap capture), unless an arm sets its own")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--a", nargs="*", default=[], metavar="FIELD=VALUE", help="arm A's TrainConfig settings")
     ap.add_argument("--b", nargs="+", required=True, metavar="FIELD=VALUE", help="arm B's TrainConfig settings")
