@@ -1,7 +1,8 @@
 """The batched Engine: requests from any thread, decoded in batches on one worker thread over the runtime.
 
     from hstap.runtime.engine import Engine, Request
-    engine = Engine(target, max_batch=16)                      # CUDA graphs on a GPU, the same code eagerly on a CPU
+    engine = Engine(target, max_batch=16)                      # CUDA graphs on a GPU, the same code eagerly on a CPU;
+                                                               # rows refilled as requests finish (continuous batching)
     gens = engine.generate([Request(prompt=ids, max_new_tokens=128)])
     gens[0].tokens, gens[0].finish_reason                      # generated ids (stop token excluded), "stop" | "length"
     engine = Engine(target, drafter=d, draft="chain:3")        # speculative decoding; engine.spec_stats() for τ
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -25,6 +27,8 @@ from hstap.metrics import acceptance_length
 from hstap.models.target import stop_ids
 from hstap.runtime.decode import EagerStepper, Generation, Request, Stepper, decode
 from hstap.runtime.llama import unsupported
+from hstap.runtime.stream import Session
+from hstap.runtime.target import Runtime
 
 
 @dataclass
@@ -36,16 +40,21 @@ class _Job:
 class Engine:
     """Batches requests from any thread onto one decode worker thread.
 
-    `submit` returns a Future; the worker takes up to `max_batch` waiting requests (oldest first) as one batch.
-    A batch is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
-    reproducible for the same batches. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
+    `submit` returns a Future. With `continuous` (the default for plain decoding on hstap's runtime) the worker
+    keeps up to `max_batch` requests decoding and refills a row as soon as its request finishes
+    (hstap.runtime.stream): a request that arrives mid-batch starts within `sync_every` steps instead of after
+    the batch's longest row. Otherwise (a drafter, a target the runtime does not run, `continuous=False`) it takes
+    up to `max_batch` waiting requests (oldest first) as one batch that runs to its end. A batch (a continuous
+    session) is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
+    reproducible for the same batches; `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
     (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
     bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`) every
     batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.
     """
 
     def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, max_len: int | None = None,
-                 seed: int = 0, compile_step: bool = False, drafter=None, draft: str | None = None):
+                 seed: int = 0, compile_step: bool = False, drafter=None, draft: str | None = None,
+                 continuous: bool | None = None):
         if max_batch < 1:
             raise HstapError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.tokenizer, self.max_batch = target.model, target.tokenizer, max_batch
@@ -58,15 +67,19 @@ class Engine:
         self._spec_totals = {"verify_forwards": 0, "emitted": 0, "accepted": 0}
         self.sync_every = 8 if self.device.type == "cuda" else 1
         self._seed = seed
+        can_stream = self.spec is None and isinstance(self.stepper, Runtime)
+        if continuous and not can_stream:
+            raise HstapError("continuous batching runs plain decoding on hstap's runtime (Llama-family targets, no "
+                             "drafter)")
+        self.continuous = can_stream if continuous is None else continuous
         self._decoding = threading.Lock()  # the stepper's cache serves one batch at a time
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
-        self._worker = threading.Thread(target=self._serve, name="hstap-engine", daemon=True)
+        serve = self._serve_continuous if self.continuous else self._serve
+        self._worker = threading.Thread(target=serve, name="hstap-engine", daemon=True)
         self._worker.start()
 
     def _make_stepper(self, cuda_graphs: bool | None, compile_step: bool) -> Stepper:
-        from hstap.runtime.target import Runtime
-
         if unsupported(self.model) is not None:
             return EagerStepper(self.model)
         return Runtime(self.model, batch_size=self.max_batch, max_len=self.max_len, cuda_graphs=cuda_graphs,
@@ -161,6 +174,9 @@ class Engine:
                 continue
             for job, gen in zip(batch, gens):
                 job.future.set_result(gen)
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
         while True:  # closed: whatever is still queued will never run
             try:
                 job = self._jobs.get_nowait()
@@ -168,6 +184,44 @@ class Engine:
                 return
             if job is not None and job.future.set_running_or_notify_cancel():
                 job.future.set_exception(HstapError("engine closed before this request ran"))
+
+    def _serve_continuous(self) -> None:
+        """Continuous batching (hstap.runtime.stream): a session's rows are refilled from the queue as requests
+        finish; a new session starts when the next request needs a longer cache than the last one had."""
+        waiting: deque[tuple[_Job, Request]] = deque()
+        accepting = True
+
+        def take(job: _Job | None) -> None:
+            nonlocal accepting
+            if job is None:  # close(): finish the rows in progress, fail what waits
+                accepting = False
+            elif job.future.set_running_or_notify_cancel():
+                waiting.append((job, job.request))
+
+        def poll() -> bool:
+            while accepting:
+                try:
+                    take(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            return accepting
+
+        while accepting or waiting:
+            if not waiting:
+                take(self._jobs.get())
+                continue
+            seed = waiting[0][1].seed
+            if seed is None:
+                seed, self._seed = self._seed, self._seed + 1
+            with self._decoding:
+                Session(self.stepper, self.pad_id, self.stop_ids, self.sync_every, seed).run(
+                    waiting, poll, lambda job, gen: job.future.set_result(gen),
+                    lambda job, exc: job.future.set_exception(exc))
+            if not accepting:
+                for job, _ in waiting:
+                    job.future.set_exception(HstapError("engine closed before this request ran"))
+                waiting.clear()
+        self._fail_queued()
 
     def _decode(self, requests: list[Request]) -> list[Generation]:
         with self._decoding:

@@ -40,11 +40,11 @@ class KVCache:
         _, b, h, _, d = self.data.shape
         return cols[:, None, :, None].expand(b, h, cols.shape[1], d)
 
-    def load(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: int, width: int,
-             first: int = 0) -> None:
-        """Copy a prefill's (rows, H_kv, width, D) keys/values into columns [0, width) of rows first..first+rows."""
-        self.data[2 * layer, first:first + rows, :, :width].copy_(keys)
-        self.data[2 * layer + 1, first:first + rows, :, :width].copy_(values)
+    def load_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                  width: int) -> None:
+        """Copy a prefill's (k, H_kv, width, D) keys/values into columns [0, width) of the rows `rows` (k,)."""
+        self.data[2 * layer][rows, :, :width] = keys
+        self.data[2 * layer + 1][rows, :, :width] = values
 
     def commit(self, write_at: torch.Tensor, rows: torch.Tensor) -> None:
         """Move block entries into place: column write_at + rows[b, j] → write_at + j, for every layer.

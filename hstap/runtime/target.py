@@ -100,17 +100,57 @@ class Runtime:
         """Run left-padded prompts ids/mask [B, P]; → next-token logits (B, V) fp32, plus the prompts' residual
         streams after `aux_layers` (B, P, n·H) when asked. `reserve`: extra columns past the answer (draft
         blocks are written beyond the committed tokens)."""
-        from transformers import DynamicCache
-
         rows, width = ids.shape
         if rows > self.batch_size:
             raise ValueError(f"batch of {rows} rows exceeds the runtime's batch_size {self.batch_size}")
         if width + max_new_tokens > self.max_len:
             raise ValueError(f"{width} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
-        need = width + max_new_tokens + reserve
+        slot = self._fresh_slot(width + max_new_tokens + reserve)
+        slot.rows = rows
+        slot.write_at.fill_(width)
+        slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
+        logits, aux = self._prefill_rows(slot, torch.arange(rows, device=ids.device), ids, mask, aux_layers)
+        slot.bound = width
+        return logits if not aux_layers else (logits, aux)
+
+    def open_slot(self, length: int) -> Slot:
+        """An empty slot of at least `length` columns, every row idle (nothing to attend to), for continuous
+        batching: rows are then filled one request at a time by `admit` while the others keep stepping."""
+        slot = self._fresh_slot(length)
+        slot.rows = slot.batch
+        slot.start.zero_()
+        slot.write_at.zero_()
+        slot.bound = 0
+        return slot
+
+    @torch.inference_mode()
+    def admit(self, rows: list[int], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts ids/mask [k, P] into `rows` of the current slot; the other rows keep their
+        caches and positions. → next-token logits (k, V) fp32 of the admitted rows."""
+        slot = self.slot
+        if slot is None or ids.shape[1] > slot.length:
+            raise ValueError(f"a {ids.shape[1]}-token prompt does not fit the open slot "
+                             f"({slot.length if slot else 0} columns)")
+        index = torch.tensor(rows, dtype=torch.long, device=ids.device)  # (k,)
+        width = ids.shape[1]
+        slot.write_at[index] = width
+        logits = self._prefill_rows(slot, index, ids, mask, ())[0]
+        slot.bound = max(slot.bound, width)  # the eager path attends to columns [0, bound + block)
+        return logits
+
+    def _fresh_slot(self, need: int) -> Slot:
         self.slot = None  # an evicted slot's cache must be free before the next one is allocated
         slot = self.slot = self._get_slot(-(-need // self.len_bucket) * self.len_bucket)
-        slot.rows = rows
+        slot.eager = not (self.cuda_graphs or self.rehearse)
+        return slot
+
+    def _prefill_rows(self, slot: Slot, index: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                      aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """transformers' forward over ids/mask [k, P] in row chunks, keys and values loaded into columns [0, P) of
+        the slot's rows `index` (k,), their start set from the padding; → logits (k, V) fp32, aux (k, P, n·H)."""
+        from transformers import DynamicCache
+
+        rows, width = ids.shape
         logits, aux = [], []
         for r0, r1 in prefill_chunks(rows, width, self.lean.heads):  # bounded activations and attention scores
             cache = DynamicCache(config=self.model.config)
@@ -119,18 +159,13 @@ class Runtime:
                                  position_ids=positions_from_mask(mask[r0:r1]), past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
             for layer, entry in enumerate(cache.layers):  # keys/values (rows, H_kv, P, D)
-                slot.kv.load(layer, entry.keys, entry.values, r1 - r0, width, first=r0)
+                slot.kv.load_rows(layer, entry.keys, entry.values, index[r0:r1], width)
             logits.append(out.logits[:, -1].float())  # (rows, V)
             if aux_layers:
                 aux.append(torch.cat([seen[k] for k in aux_layers], dim=-1))  # (rows, P, n·H)
             del cache, out
-        slot.write_at.fill_(width)
-        slot.bound, slot.eager = width, not (self.cuda_graphs or self.rehearse)
-        slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
-        slot.start[:rows] = width - mask.sum(-1)
-        if not aux_layers:
-            return torch.cat(logits)
-        return torch.cat(logits), torch.cat(aux)
+        slot.start[index] = width - mask.sum(-1)
+        return torch.cat(logits), (torch.cat(aux) if aux_layers else None)
 
     @contextmanager
     def _taps(self, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
