@@ -15,7 +15,8 @@
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
-# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1.
+# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1;
+#    then bench/continuous.py: static batches vs refilled rows on synth's batch size.
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
 #    GPU for the same wall time; R4 measures both. AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
@@ -51,6 +52,21 @@ PYEOF
   mv "$RUN"/pack/* "$RUN/out/"
 }
 
+synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds (continuous batching); should that fail before
+  # its time is up, the rest of the time resumes the same file with static batches (--no-continuous)
+  local g=$1 t0=$SECONDS rc
+  local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns all --out $RUN/synth$g.jsonl \
+    --device cuda --batch-size 256 --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
+  step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    timeout -s INT "$SYNTH_S" $S
+  rc=$?
+  local left=$((SYNTH_S - (SECONDS - t0)))
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 60 ]; then
+    step r2_synth_static_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      timeout -s INT "$left" $S --no-continuous
+  fi
+}
+
 phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and the one-third-data drafter
   wait_assets
   local P="$RUN/prompts.jsonl"
@@ -74,9 +90,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
 open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   for g in $(seq 0 $((NGPU - 1))); do
     awk "NR % $NGPU == $g" "$RUN/shuffled.jsonl" > "$RUN/p$g.jsonl"
-    step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      timeout -s INT "$SYNTH_S" $HSTAP synth --model smollm2 --data "jsonl:$RUN/p$g.jsonl" --turns all \
-      --out "$RUN/synth$g.jsonl" --device cuda --batch-size 256 --max-new-tokens 384 --temperature "${SYNTH_T:-0}" &
+    synth_lane "$g" &
   done
   wait
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
@@ -122,6 +136,9 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
     step r4_spec_ab $PY bench/spec_decode.py --drafter "$RUN/drafter_ab" --device cuda --dtype bf16 --batch 1 \
       --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_ab.jsonl"
   fi
+  bundle
+  # synth's batching: the same 1,024 ShareGPT requests through static batches and through refilled rows
+  step r4_continuous $PY bench/continuous.py --device cuda --batch 256 --prompts 1024 --new 384 --temperature 0
   if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
     bundle
     step r5_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \

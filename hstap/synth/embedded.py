@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 class EmbeddedBackend:
     """The synth Backend over an Engine: renders the chat exactly as capture will, queues it, decodes the answer."""
 
-    def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, compile_step: bool = False):
+    def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, compile_step: bool = False,
+                 continuous: bool = True):
         self.target = target
         self.model_id = target.model_id
-        self.engine = Engine(target, max_batch=max_batch, cuda_graphs=cuda_graphs, compile_step=compile_step)
+        # continuous=True keeps the Engine's default (on where the runtime runs the target); False forces static
+        self.engine = Engine(target, max_batch=max_batch, cuda_graphs=cuda_graphs, compile_step=compile_step,
+                             continuous=None if continuous else False)
 
     async def complete(self, messages: list[dict[str, str]], sampling) -> "Completion":
         import asyncio

@@ -219,7 +219,7 @@ async def _run_backend(cfg: SynthConfig, todo: list[Conversation], writer: Synth
     if target is None:
         target = load_target(cfg.model, device=cfg.device)
     backend = EmbeddedBackend(target, max_batch=cfg.batch_size, cuda_graphs=cfg.cuda_graphs,
-                              compile_step=cfg.compile_step)
+                              compile_step=cfg.compile_step, continuous=cfg.continuous)
     # similar lengths side by side: batches pad less (records are written in completion order anyway)
     todo = sorted(todo, key=lambda c: sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
     try:

@@ -90,3 +90,26 @@ def test_bf16_graphs_run_and_mostly_agree(cuda_models, prompts, target):
         rows = SpecDecoder(rt, DraftShape.parse(shape), drafter).generate(prompts, MAX_NEW, set(target.stop_ids), 0)
         assert all(r.done for r in rows)
         assert all(r.tokens[:4] == g.tokens[:4] for r, g in zip(rows, plain))
+
+
+def test_continuous_batching_on_cuda_graphs_equals_plain_decoding_in_fp32(cuda_models, prompts, target,
+                                                                        cuda_references):
+    """Rows refilled mid-flight on the captured step: eight requests (limits 3..16) through two rows, each answer
+    the plain greedy one cut at its limit; the step graph is captured once and replayed for every admission."""
+    from collections import deque
+
+    from hstap.runtime.stream import Session
+
+    rt = Runtime(cuda_models[0], batch_size=2, max_len=2048, cuda_graphs=True)
+    limits = [16, 3, 12, 5, 16, 7, 9, 4]
+    waiting = deque((k, Request(prompts[k % len(prompts)], n)) for k, n in enumerate(limits))
+    delivered, failed = {}, []
+    with torch.inference_mode():
+        Session(rt, 0, target.stop_ids, sync_every=4).run(waiting, lambda: True, delivered.__setitem__,
+                                                           lambda tag, exc: failed.append((tag, exc)))
+    assert not failed and not waiting and sorted(delivered) == list(range(len(limits)))
+    assert rt.slot.graphs["step"].graph is not None, "the step was captured"
+    for k, n in enumerate(limits):
+        gen = delivered[k]
+        assert gen.tokens + ([gen.stop_token] if gen.stop_token is not None else []) == \
+            cuda_references[k % len(prompts)][:n], k

@@ -68,6 +68,26 @@ def test_rerun_appends_only_the_missing_ids(sharegpt_out, target, tmp_path):
     assert ids[:3] == [r["id"] for r in read_records(sharegpt_out)]
 
 
+def test_static_batches_give_the_same_greedy_answers(sharegpt_out, target, tmp_path, monkeypatch):
+    """--no-continuous (the fallback if the refilling path misbehaves on some device) reaches the engine, and
+    greedy answers do not depend on how rows are batched."""
+    import hstap.synth.embedded as embedded
+
+    engines = []
+
+    class Spy(Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            engines.append(self)
+
+    monkeypatch.setattr(embedded, "Engine", Spy)
+    out = tmp_path / "static.jsonl"
+    result = run_synth(_cfg(out, limit=3, continuous=False), progress=False, target=target)
+    assert result.written == 3 and [e.continuous for e in engines] == [False]
+    answers = {r["id"]: r["messages"][1]["content"] for r in read_records(out)}
+    assert answers == {r["id"]: r["messages"][1]["content"] for r in read_records(sharegpt_out)}
+
+
 def test_duplicates_and_truncated_answers_are_dropped_and_counted(tmp_path, target):
     ask = "Is the sky blue? Answer yes or no."
     data = write_jsonl(tmp_path / "d.jsonl", [
