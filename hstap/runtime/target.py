@@ -48,6 +48,10 @@ class Slot:
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) decode-step input
         self.logits = torch.zeros(batch, lean.vocab_size, dtype=torch.float32, device=device)  # (B, V) output
         self.graphs: dict[object, Graphed] = {}
+        # the slot's graphs share one memory pool, the slot's own: once an evicted slot's graphs are gone its pool
+        # may linger (use count 0) while a tensor made in a capture lives on, and the CUDA allocator refuses a new
+        # capture into such a pool (an internal assert; seen on an H200 when continuous synth replaced its slots)
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.buffers: dict[object, object] = {}  # per speculative method: its own static buffers
         self.bound = 0  # host-side upper bound of every row's write_at
         self.eager = True  # no graphs: forwards may attend to a prefix of the cache
@@ -87,7 +91,6 @@ class Runtime:
         self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
         self.forward = torch.compile(self.lean.forward, dynamic=False) if compile_step else self.lean.forward
         self.len_bucket, self.max_slots, self.rehearse = len_bucket, max_slots, rehearse
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.slots: OrderedDict[int, Slot] = OrderedDict()
         self.slot: Slot | None = None
         self.decoders: dict[str, int] = {}  # speculative decoders per draft shape (their graphs are per decoder)
@@ -211,7 +214,7 @@ class Runtime:
         """The current slot's graph `key` (captured at first use, with `state` saved and restored)."""
         slot = self.slot
         if key not in slot.graphs:
-            slot.graphs[key] = Graphed(body, self.cuda_graphs, self.pool, state, rehearse=self.rehearse)
+            slot.graphs[key] = Graphed(body, self.cuda_graphs, slot.pool, state, rehearse=self.rehearse)
         return slot.graphs[key]
 
     def block(self, slot: Slot, tokens: torch.Tensor, depths: torch.Tensor, tree: torch.Tensor,
