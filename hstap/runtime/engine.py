@@ -40,10 +40,13 @@ class _Job:
 class Engine:
     """Batches requests from any thread onto one decode worker thread.
 
-    `submit` returns a Future. With `continuous` (the default for plain decoding on hstap's runtime) the worker
-    keeps up to `max_batch` requests decoding and refills a row as soon as its request finishes
+    `submit` returns a Future. With `continuous` (the default for plain decoding on hstap's runtime on a CPU) the
+    worker keeps up to `max_batch` requests decoding and refills a row as soon as its request finishes
     (hstap.runtime.stream): a request that arrives mid-batch starts within `sync_every` steps instead of after
-    the batch's longest row. Otherwise (a drafter, a target the runtime does not run, `continuous=False`) it takes
+    the batch's longest row. On CUDA the default is static batches: at synth's batch of 256 on an H200 they
+    answered 1,024 ShareGPT requests at 1.19x the refilled rows' rate (bench/continuous.py, docs/benchmarks.md;
+    on 2 CPU cores refilling was 1.04x static). Otherwise (a drafter, a target the runtime does not run,
+    `continuous=False`, CUDA unless `continuous=True`) it takes
     up to `max_batch` waiting requests (oldest first) as one batch that runs to its end. A batch (a continuous
     session) is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
     reproducible for the same batches; `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
@@ -71,7 +74,7 @@ class Engine:
         if continuous and not can_stream:
             raise HstapError("continuous batching runs plain decoding on hstap's runtime (Llama-family targets, no "
                              "drafter)")
-        self.continuous = can_stream if continuous is None else continuous
+        self.continuous = (can_stream and self.device.type != "cuda") if continuous is None else continuous
         self._decoding = threading.Lock()  # the stepper's cache serves one batch at a time
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False

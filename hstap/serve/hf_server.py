@@ -7,8 +7,9 @@
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, top_p, seed; no streaming, n = 1),
 `GET /v1/models`, `GET /health`, `GET /metrics` (requests served; with a drafter the speculative totals and τ). Prompts are rendered with `hstap.data.render_prompt`, i.e. token for token as
 capture renders them. Requests are decoded together by `hstap.runtime.engine.Engine` (up to `max_batch` rows;
-CUDA graphs on a GPU): a request starts as soon as a row is free (continuous batching), or, speculatively when a
-drafter (or an `ngram:K` draft) is given, in the next batch: greedy answers are the same tokens, only faster.
+CUDA graphs on a GPU): on a CPU a request starts as soon as a row is free (continuous batching), on CUDA (where
+static batches measured faster) and speculatively (a drafter or an `ngram:K` draft) in the next batch: greedy
+answers are the same tokens either way, speculative ones only faster.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ class SynthConfig(BaseModel):
     device: Device = option("cpu", "embedded: cpu | cuda | cuda:N")
     batch_size: int = option(16, "embedded: rows per decode batch", ge=1)
     cuda_graphs: bool | None = option(None, "embedded: replay the decode step as a CUDA graph (default: on CUDA)")
-    continuous: bool = option(True, "embedded: refill rows as answers end (continuous batching; "
-                                    "--no-continuous: static batches that run to their longest row)")
+    continuous: bool | None = option(None, "embedded: refill rows as answers end (continuous batching); "
+                                           "default: on a CPU, off on CUDA (static batches measured faster)")
     compile_step: bool = option(False, "embedded on a GPU: torch.compile the decode step (faster; ~1 min of "
                                        "compiling per batch size and cache-length bucket)")
     timeout: float = option(120.0, "server: seconds per request", gt=0)

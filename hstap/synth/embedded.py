@@ -21,12 +21,11 @@ class EmbeddedBackend:
     """The synth Backend over an Engine: renders the chat exactly as capture will, queues it, decodes the answer."""
 
     def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, compile_step: bool = False,
-                 continuous: bool = True):
+                 continuous: bool | None = None):
         self.target = target
         self.model_id = target.model_id
-        # continuous=True keeps the Engine's default (on where the runtime runs the target); False forces static
         self.engine = Engine(target, max_batch=max_batch, cuda_graphs=cuda_graphs, compile_step=compile_step,
-                             continuous=None if continuous else False)
+                             continuous=continuous)  # None: the Engine's default for the device
 
     async def complete(self, messages: list[dict[str, str]], sampling) -> "Completion":
         import asyncio

@@ -113,3 +113,19 @@ def test_continuous_batching_on_cuda_graphs_equals_plain_decoding_in_fp32(cuda_m
         gen = delivered[k]
         assert gen.tokens + ([gen.stop_token] if gen.stop_token is not None else []) == \
             cuda_references[k % len(prompts)][:n], k
+
+
+def test_engine_on_cuda_batches_statically_unless_asked(cuda_models, target):
+    """Static batches are the CUDA default (measured faster at synth's batch size); continuous=True still works."""
+    from types import SimpleNamespace
+
+    from hstap.runtime.engine import Engine
+
+    cuda_target = SimpleNamespace(model=cuda_models[0], tokenizer=target.tokenizer)
+    for asked, expected in [(None, False), (True, True), (False, False)]:
+        engine = Engine(cuda_target, max_batch=2, continuous=asked)
+        try:
+            assert engine.continuous is expected
+            assert len(engine.generate([Request(target.tokenizer("Hello")["input_ids"], 4)])[0].tokens) <= 4
+        finally:
+            engine.close()

@@ -69,8 +69,8 @@ def test_rerun_appends_only_the_missing_ids(sharegpt_out, target, tmp_path):
 
 
 def test_static_batches_give_the_same_greedy_answers(sharegpt_out, target, tmp_path, monkeypatch):
-    """--no-continuous (the fallback if the refilling path misbehaves on some device) reaches the engine, and
-    greedy answers do not depend on how rows are batched."""
+    """--no-continuous (static batches, the default on CUDA) reaches the engine, and greedy answers do not depend
+    on how rows are batched (the CPU default refills rows)."""
     import hstap.synth.embedded as embedded
 
     engines = []
