@@ -23,3 +23,21 @@ def test_ties_are_deterministic_and_size_checked():
     assert draft_to_target_ids(d2t).tolist() == [0, 1]
     with pytest.raises(HstapError, match="draft_vocab_size"):
         build_draft_vocab(torch.ones(4, dtype=torch.long), 5)
+
+
+def test_token_counts_over_chunks_equal_counting_sample_by_sample(tokenizer, monkeypatch):
+    """Real ShareGPT conversations rendered for SmolLM2; the chunked count (chunks of ~500 tokens here, so a
+    sample may close a chunk anywhere) equals a plain per-sample bincount over the answer tokens."""
+    import hstap.drafter.vocab as vocab
+    from hstap.data import open_source, render
+
+    samples = [render(c, tokenizer) for c in open_source("sharegpt", limit=12)]
+    masks = [{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)} for s in samples]
+    size = len(tokenizer)
+    expected = torch.zeros(size, dtype=torch.long)
+    for m in masks:
+        for t in m["input_ids"][m["loss_mask"]].tolist():
+            expected[t] += 1
+    monkeypatch.setattr(vocab, "COUNT_CHUNK", 500)
+    assert sum(int(m["loss_mask"].sum()) for m in masks) > 2000, "several chunks"
+    assert torch.equal(vocab.count_tokens(iter(masks), size), expected)
