@@ -70,6 +70,32 @@ def test_sampling_runs_on_the_real_target(target, drafter, prompts, stop_ids):
         assert m.generations[0].tokens == m2.generations[0].tokens  # seeded: reproducible
 
 
+def test_warming_each_batch_runs_every_method_untimed_first_and_changes_no_token(target, drafter, prompts, stop_ids,
+                                                                                 monkeypatch):
+    """warm_each_batch (the CUDA default): before each batch's timed runs, every method decodes that batch for
+    one token; what is recorded is the same greedy output as without it."""
+    from hstap.evaluate.spec import Methods
+
+    shapes = [DraftShape.parse("chain:2")]
+    args = (target.model, drafter, prompts[:2], shapes, 6, stop_ids, 0.0, 0, 0, False)
+    calls = []
+    real = Methods.run
+
+    def spy(self, shape, batch, new_tokens, *rest, **kw):
+        calls.append((shape.spec if shape else "vanilla", len(batch), new_tokens))
+        return real(self, shape, batch, new_tokens, *rest, **kw)
+
+    monkeypatch.setattr(Methods, "run", spy)
+    vanilla, methods = evaluate_shapes(*args, warm_each_batch=True)
+    assert calls == [("vanilla", 1, 1), ("chain:2", 1, 1), ("vanilla", 1, 6), ("chain:2", 1, 6)] * 2
+    calls.clear()
+    plain_vanilla, plain = evaluate_shapes(*args)  # the default on a CPU
+    assert calls == [("vanilla", 1, 6), ("chain:2", 1, 6)] * 2, "off on the CPU by default"
+    assert [g.tokens for g in vanilla.generations] == [g.tokens for g in plain_vanilla.generations]
+    assert [g.tokens for g in methods[0].generations] == [g.tokens for g in plain[0].generations]
+    assert len(methods[0].generations) == 2
+
+
 def test_prompts_are_first_user_turns(tokenizer, tmp_path):
     path = tmp_path / "chats.jsonl"
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
