@@ -18,7 +18,7 @@
 # R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1;
 #    then bench/continuous.py: static batches vs refilled rows on synth's batch size.
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
-#    GPU for the same wall time; R4 measures both. AB_ARGS="--loops cut": answers ending in a repetition loop cut
+#    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both. AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
 # PROFILE=1: R5 profiles the online trainer's step (bench/train_online.py --profile) after everything else.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
@@ -100,8 +100,11 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --lr 2e-3 --epochs 30 --time-budget $TRAIN_BUDGET --calib-prompts 4 --prefetch"
-  if [ -n "${AB_ARGS:-}" ]; then  # both arms side by side on the one GPU: same data, same wall time
+    --lr 2e-3 --epochs 30 --calib-prompts 4 --prefetch"
+  # an A/B trains both arms for the same number of steps (one schedule): a time budget fits each arm's schedule
+  # to its own probe, and on 2026-12-02 the arms' probes, taken side by side, planned 1,407 and 937 steps
+  if [ -n "${AB_ARGS:-}" ]; then T="$T --max-steps ${AB_STEPS:-1000}"; else T="$T --time-budget $TRAIN_BUDGET"; fi
+  if [ -n "${AB_ARGS:-}" ]; then  # both arms side by side on the one GPU: same data, same steps
     echo "$AB_ARGS" > "$RUN/results/ab_args.txt"
     step r3_train_ab $HSTAP $T $AB_ARGS --data "jsonl:$RUN/synth.jsonl" --out "$RUN/drafter_ab" &
   fi
