@@ -1,5 +1,5 @@
-"""A/B of one training choice: two `hstap train` runs on the same store, with the same seed, batches and steps, that
-differ only by the settings given for each arm (any TrainConfig field, `store` too: an arm may train on another
+"""A/B of one training choice: two (or, with --c, three) `hstap train` runs on the same store, with the same seed,
+batches and steps, that differ only by the settings given for each arm (any TrainConfig field, `store` too: an arm may train on another
 capture of the same conversations); then their held-out figures at every epoch side by side and, with
 --mtbench N, τ on N MT-bench first turns replayed on the target's greedy answers (hstap.train.replay, fp32) for
 n-gram 3, chain 3 and hybrid 4,2. Seeds given together run one after another.
@@ -51,10 +51,11 @@ def evals(run: Path) -> list[dict]:
     return [r for r in records if r["kind"] == "eval"]
 
 
-def heldout_table(a: Path, b: Path, chain: int) -> None:
+def heldout_table(a: Path, b: Path, chain: int, name: str = "B") -> None:
+    """Arm A against arm `name` at every evaluation (each on its own store's held-out split)."""
     tau = lambda r: r.get("tau_est", {}).get(str(chain), float("nan"))
-    print(f"\n| epoch | step | loss A | loss B | step-0 top-1 A | step-0 top-1 B | est. τ chain {chain} A "
-          f"| est. τ chain {chain} B |")
+    print(f"\n| epoch | step | loss A | loss {name} | step-0 top-1 A | step-0 top-1 {name} | est. τ chain {chain} A "
+          f"| est. τ chain {chain} {name} |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for x, y in zip(evals(a), evals(b)):
         print(f"| {x['epoch']} | {x['step']} | {x['loss']:.3f} | {y['loss']:.3f} | {x['acc'][0]:.3f} "
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--a", nargs="*", default=[], metavar="FIELD=VALUE", help="arm A's TrainConfig settings")
     ap.add_argument("--b", nargs="+", required=True, metavar="FIELD=VALUE", help="arm B's TrainConfig settings")
+    ap.add_argument("--c", nargs="+", default=None, metavar="FIELD=VALUE",
+                    help="a third arm's settings (A is trained once for both comparisons)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -97,15 +100,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     arms = {"A": parse_settings(args.a), "B": parse_settings(args.b)}
+    if args.c:
+        arms["C"] = parse_settings(args.c)
     print(f"date {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, store {args.store}, {args.epochs} epochs, lr {args.lr}, "
           f"{args.batch_tokens} tokens a batch, TTT {args.ttt_steps}, draft vocab {args.draft_vocab}; "
-          f"A {arms['A'] or 'defaults'}, B {arms['B']}", flush=True)
+          f"A {arms['A'] or 'defaults'}, " + ", ".join(f"{k} {v}" for k, v in arms.items() if k != "A"), flush=True)
     runs = {}
     for seed in args.seeds:
         for name, settings in arms.items():
             runs[f"{name} seed {seed}"] = train_arm(args, name, settings, seed)
-        heldout_table(runs[f"A seed {seed}"], runs[f"B seed {seed}"], min(3, args.ttt_steps))
+        for other in [k for k in arms if k != "A"]:
+            heldout_table(runs[f"A seed {seed}"], runs[f"{other} seed {seed}"], min(3, args.ttt_steps), other)
     if args.mtbench:
         mtbench_table(runs, args.mtbench, args.max_new_tokens)
 
