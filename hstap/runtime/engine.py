@@ -46,8 +46,8 @@ class Engine:
     the batch's longest row. On CUDA the default is static batches: at synth's batch of 256 on an H200 they
     answered 1,024 ShareGPT requests at 1.19x the refilled rows' rate (bench/continuous.py, docs/benchmarks.md;
     on 2 CPU cores refilling was 1.04x static). Otherwise (a drafter, a target the runtime does not run,
-    `continuous=False`, CUDA unless `continuous=True`) it takes
-    up to `max_batch` waiting requests (oldest first) as one batch that runs to its end. A batch (a continuous
+    `continuous=False`, CUDA unless `continuous=True`) it takes up to `max_batch` waiting requests (oldest
+    first) as one batch that runs to its end. A batch (a continuous
     session) is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
     reproducible for the same batches; `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
     (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
