@@ -52,8 +52,9 @@ PYEOF
   mv "$RUN"/pack/* "$RUN/out/"
 }
 
-synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds (continuous batching); should that fail before
-  # its time is up, the rest of the time resumes the same file with static batches (--no-continuous)
+synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth fail before its time is up, the
+  # rest of the time resumes the same file with static batches (on 2026-12-02, when continuous batching was the
+  # CUDA default, it failed after 272 s and this resumed it)
   local g=$1 t0=$SECONDS rc
   local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns all --out $RUN/synth$g.jsonl \
     --device cuda --batch-size 256 --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
