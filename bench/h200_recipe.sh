@@ -15,12 +15,14 @@
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
-# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1;
-#    then bench/continuous.py: static batches vs refilled rows on synth's batch size.
+# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1.
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
-#    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both. AB_ARGS="--loops cut": answers ending in a repetition loop cut
+#    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
+#    AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
-# PROFILE=1: R5 profiles the online trainer's step (bench/train_online.py --profile) after everything else.
+# PROFILE=1: R4 also profiles the online trainer's step (bench/train_online.py --profile), right after the first
+#    drafter's MT-bench run (on 2026-12-02 it came last and the session's device time ran out before it).
+# CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 set -uo pipefail
@@ -127,7 +129,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   done
   cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
   bundle
-  # R4: MT-bench (vanilla, n-gram, chain 3, tree 8,8,60; batch 1), the one-third drafter beside it on GPU 1
+  # R4: MT-bench (spec_decode.py's default shapes; batch 1), the one-third drafter beside it on GPU 1
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
     --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl"
   if [ "$NGPU" -gt 1 ]; then
@@ -135,19 +137,20 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
+  if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
+    bundle
+    step r4_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \
+      --profile "$RUN/prof"  # its Chrome trace is hundreds of MB: only the op table comes back
+    cp "$RUN/prof/train_online_ops.txt" "$RUN/results/" 2>/dev/null
+  fi
   if [ -n "${AB_ARGS:-}" ]; then
     bundle
     step r4_spec_ab $PY bench/spec_decode.py --drafter "$RUN/drafter_ab" --device cuda --dtype bf16 --batch 1 \
       --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_ab.jsonl"
   fi
-  bundle
-  # synth's batching: the same 1,024 ShareGPT requests through static batches and through refilled rows
-  step r4_continuous $PY bench/continuous.py --device cuda --batch 256 --prompts 1024 --new 384 --temperature 0
-  if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
+  if [ -n "${CONTINUOUS:-}" ]; then  # synth's batching: 1,024 ShareGPT requests, static batches vs refilled rows
     bundle
-    step r5_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \
-      --profile "$RUN/prof"  # its Chrome trace is hundreds of MB: only the op table comes back
-    cp "$RUN/prof/train_online_ops.txt" "$RUN/results/" 2>/dev/null
+    step r4_continuous $PY bench/continuous.py --device cuda --batch 256 --prompts 1024 --new 384 --temperature 0
   fi
   for log in "$RUN"/results/spec_*.jsonl; do
     $PY bench/spec_decode.py --table "$log" > "${log%.jsonl}_tables.txt" 2>&1
