@@ -75,9 +75,9 @@ def test_refilled_rows_answer_as_if_alone(target, prompts, rehearse):
 
 
 def test_a_request_arriving_mid_answer_starts_and_leaves_before_it_ends(target, prompts):
-    """One row busy with a 40-token answer; a 4-token request that arrives at the 3rd poll is admitted into the
+    """One row busy with a 24-token answer; a 4-token request that arrives at the 3rd poll is admitted into the
     free row at once and delivered first (a static batch would hold it until the next batch)."""
-    long, short = Request(prompts[2], 40), Request(prompts[0], 4)
+    long, short = Request(prompts[2], 24), Request(prompts[0], 4)
     waiting_box: list[deque] = []
     polls = [0]
 
@@ -102,8 +102,9 @@ def test_a_request_arriving_mid_answer_starts_and_leaves_before_it_ends(target, 
 def test_a_request_longer_than_the_session_waits_for_the_next(target, prompts):
     """The session's cache fits its first rows' requests; a later one that needs more columns stays waiting (FIFO:
     nothing behind it jumps ahead) and the session ends once its rows are done."""
-    first, big, small = Request(prompts[0], 8), Request(prompts[1], 600), Request(prompts[0], 4)
-    runtime = Runtime(target.model, batch_size=1, max_len=2048, cuda_graphs=False)
+    first, big, small = Request(prompts[0], 8), Request(prompts[1], 40), Request(prompts[0], 4)
+    runtime = Runtime(target.model, batch_size=1, max_len=2048, cuda_graphs=False, len_bucket=16)  # slots fit tight
+    assert Session(runtime, 0, []).need(big) > -(-Session(runtime, 0, []).need(first) // 16) * 16
     delivered, waiting = run_session(target, runtime, [first, big, small])
     assert [tag for tag, _ in delivered] == [0] and [tag for tag, _ in waiting] == [1, 2]
     delivered, waiting = run_session(target, runtime, [big, small])
@@ -146,10 +147,11 @@ def test_a_failing_prefill_fails_that_sessions_requests_and_the_engine_serves_on
 
 
 def test_the_engine_streams_many_requests_through_few_rows(target, prompts):
-    """The Engine's default on the runtime: nine requests through three rows, each answer as if alone."""
+    """The Engine's default on the runtime (on a CPU): seven requests through three rows, each answer as if
+    alone."""
     engine = Engine(target, max_batch=3)
     try:
-        requests = [Request(prompts[k % len(prompts)], 4 + 2 * k) for k in range(9)]
+        requests = [Request(prompts[k % len(prompts)], 3 + k) for k in range(7)]
         gens = engine.generate(requests, timeout=300)
     finally:
         engine.close()
