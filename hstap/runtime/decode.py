@@ -143,13 +143,16 @@ def decode(stepper: Stepper, requests: list[Request], pad_id: int, stop_ids: lis
 
 
 def _finish(rows: list[list[int]], requests: list[Request], stops: set[int]) -> list[Generation]:
-    gens = []
-    for row, req in zip(rows, requests):
-        row = row[:req.max_new_tokens]
-        end = next((k for k, tok in enumerate(row) if tok in stops), None)
-        reason = "length" if end is None else "stop"
-        gens.append(Generation(tokens=row if end is None else row[:end], finish_reason=reason,
-                               prompt_tokens=len(req.prompt), stop_token=None if end is None else row[end]))
-    return gens
+    return [generation_of(row, req, stops) for row, req in zip(rows, requests)]
+
+
+def generation_of(row: list[int], request: Request, stops: set[int]) -> Generation:
+    """A finished row's tokens as its Generation: cut at the first stop id within max_new_tokens, or at the
+    limit (a static batch's rows and continuous batching's rows end the same way)."""
+    row = row[:request.max_new_tokens]
+    end = next((k for k, tok in enumerate(row) if tok in stops), None)
+    reason = "length" if end is None else "stop"
+    return Generation(tokens=row if end is None else row[:end], finish_reason=reason,
+                      prompt_tokens=len(request.prompt), stop_token=None if end is None else row[end])
 
 

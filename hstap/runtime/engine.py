@@ -2,7 +2,7 @@
 
     from hstap.runtime.engine import Engine, Request
     engine = Engine(target, max_batch=16)                      # CUDA graphs on a GPU, the same code eagerly on a CPU;
-                                                               # rows refilled as requests finish (continuous batching)
+                                                               # on a CPU rows refilled as requests finish (continuous)
     gens = engine.generate([Request(prompt=ids, max_new_tokens=128)])
     gens[0].tokens, gens[0].finish_reason                      # generated ids (stop token excluded), "stop" | "length"
     engine = Engine(target, drafter=d, draft="chain:3")        # speculative decoding; engine.spec_stats() for τ
@@ -47,9 +47,9 @@ class Engine:
     answered 1,024 ShareGPT requests at 1.19x the refilled rows' rate (bench/continuous.py, docs/benchmarks.md;
     on 2 CPU cores refilling was 1.04x static). Otherwise (a drafter, a target the runtime does not run,
     `continuous=False`, CUDA unless `continuous=True`) it takes up to `max_batch` waiting requests (oldest
-    first) as one batch that runs to its end. A batch (a continuous
-    session) is seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is
-    reproducible for the same batches; `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
+    first) as one batch that runs to its end. A batch (a continuous session) is seeded by its first request's
+    `seed` (else by a counter from `seed`), so sampled output is reproducible for the same batches;
+    `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
     (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
     bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`) every
     batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.

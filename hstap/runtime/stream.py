@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from hstap.faults import fault_point
-from hstap.runtime.decode import Generation, Request, left_pad, pick_next
+from hstap.runtime.decode import Generation, Request, generation_of, left_pad, pick_next
 from hstap.runtime.target import Runtime
 
 ADMIT_SHARE = 8  # admit once 1/ADMIT_SHARE of the rows are free (or nothing is decoding): fewer, larger prefills
@@ -138,12 +138,9 @@ class _Row:
 
     def finished(self, stops: set[int]) -> Generation | None:
         """The Generation once the row stopped (a stop id) or has max_new_tokens tokens, else None."""
-        limit, prompt = self.request.max_new_tokens, len(self.request.prompt)
-        end = next((k for k in range(self.checked, min(len(self.tokens), limit)) if self.tokens[k] in stops), None)
+        limit = self.request.max_new_tokens
+        stopped = any(tok in stops for tok in self.tokens[self.checked:limit])
         self.checked = len(self.tokens)
-        if end is not None:
-            return Generation(tokens=self.tokens[:end], finish_reason="stop", prompt_tokens=prompt,
-                              stop_token=self.tokens[end])
-        if len(self.tokens) >= limit:
-            return Generation(tokens=self.tokens[:limit], finish_reason="length", prompt_tokens=prompt)
+        if stopped or len(self.tokens) >= limit:
+            return generation_of(self.tokens, self.request, stops)
         return None
