@@ -149,7 +149,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   if [ -n "${AB_ARGS:-}" ]; then
     bundle
     step r4_spec_ab $PY bench/spec_decode.py --drafter "$RUN/drafter_ab" --device cuda --dtype bf16 --batch 1 \
-      --shapes chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_ab.jsonl"
+      --shapes ngram:3 chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_ab.jsonl"
   fi
   if [ -n "${CONTINUOUS:-}" ]; then  # synth's batching: 1,024 ShareGPT requests, static batches vs refilled rows
     bundle
