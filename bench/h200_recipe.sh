@@ -25,6 +25,9 @@
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
 # PROFILE=1: R4 also profiles the online trainer's step (bench/train_online.py --profile), right after the first
 #    drafter's MT-bench run (on 2026-12-02 it came last and the session's device time ran out before it).
+# THROUGHPUT=1: R4 ends with bench/train_throughput.py on the SmolLM2 shape (the drafter step alone, 32 x 2,048).
+# TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
+#    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
@@ -61,7 +64,7 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   # rest of the time resumes the same file with static batches (on 2026-12-02, when continuous batching was the
   # CUDA default, it failed after 272 s and this resumed it)
   local g=$1 t0=$SECONDS rc
-  local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns all --out $RUN/synth$g.jsonl \
+  local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns ${TURNS:-first} --out $RUN/synth$g.jsonl \
     --device cuda --batch-size 256 --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
   step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     timeout -s INT "$SYNTH_S" $S
@@ -78,7 +81,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
   # R0: the gpu-marked tests (issue 11) beside the prompts; the wait after R1 collects them
-  step r0_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
+  step r0_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
@@ -132,6 +135,13 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   done
   cp "$RUN"/drafter/*.png "$RUN/figs/" 2>/dev/null
   bundle
+  if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler,
+    # before MT-bench (it came last and was cut off on 2026-12-02): one path, ~1 min
+    step r4_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \
+      --paths device+prefetch --profile "$RUN/prof"  # its Chrome trace is hundreds of MB: the op table comes back
+    cp "$RUN/prof/train_online_ops.txt" "$RUN/results/" 2>/dev/null
+    bundle
+  fi
   # R4: MT-bench (spec_decode.py's default shapes; batch 1), the one-third drafter beside it on GPU 1
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
     --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl"
@@ -140,12 +150,6 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
-  if [ -n "${PROFILE:-}" ]; then  # where the online trainer's step goes (issue 12's 100k tok/s): torch.profiler
-    bundle
-    step r4_profile $PY bench/train_online.py --device cuda --limit 2000 --steps 4 --batch-tokens 32768 \
-      --profile "$RUN/prof"  # its Chrome trace is hundreds of MB: only the op table comes back
-    cp "$RUN/prof/train_online_ops.txt" "$RUN/results/" 2>/dev/null
-  fi
   if [ -n "${AB_ARGS:-}" ]; then
     bundle
     step r4_spec_ab $PY bench/spec_decode.py --drafter "$RUN/drafter_ab" --device cuda --dtype bf16 --batch 1 \
@@ -154,6 +158,10 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   if [ -n "${CONTINUOUS:-}" ]; then  # synth's batching: 1,024 ShareGPT requests, static batches vs refilled rows
     bundle
     step r4_continuous $PY bench/continuous.py --device cuda --batch 256 --prompts 1024 --new 384 --temperature 0
+  fi
+  if [ -n "${THROUGHPUT:-}" ]; then  # the drafter step alone on synthetic SmolLM2-shaped batches (no data needed)
+    step r4_throughput $PY bench/train_throughput.py --device cuda --shape smollm2 --draft-vocab 16384 --batch 32 \
+      --seq 2048 --steps 5 --json
   fi
   for log in "$RUN"/results/spec_*.jsonl; do
     $PY bench/spec_decode.py --table "$log" > "${log%.jsonl}_tables.txt" 2>&1
