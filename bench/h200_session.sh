@@ -101,7 +101,7 @@ import json, sys, collections
 n, tokens, by = 0, 0, collections.Counter()
 for line in open(sys.argv[1]):
     r = json.loads(line); n += 1; tokens += r.get("completion_tokens", 0)
-    by[r.get("source") or str(r.get("id", "?")).split("-")[0]] += 1
+    by[(r.get("meta") or {}).get("source") or str(r.get("id", "?")).split("-")[0]] += 1
 print(json.dumps({"conversations": n, "completion_tokens": tokens, "by_source": by}))
 PYEOF
 }

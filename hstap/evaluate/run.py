@@ -24,6 +24,7 @@ from tqdm import tqdm
 from hstap.data import open_source, render_prompt
 from hstap.config import dtype_name
 from hstap.drafter import Eagle3Drafter
+from hstap.drafter.shipped import resolve_drafter
 from hstap.errors import HstapError
 from hstap.evaluate.config import EvalConfig
 from hstap.evaluate.report import write_report
@@ -248,8 +249,10 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, promp
     return vanilla, results
 
 
-def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
-    """The drafter of a `hstap train` run directory, checked against the target and placed on its device."""
+def load_drafter(run_dir: Path | str, target) -> Eagle3Drafter:
+    """The drafter of a `hstap train` run directory (or a shipped drafter's name), checked against the target and
+    placed on its device."""
+    run_dir = resolve_drafter(run_dir)
     drafter = Eagle3Drafter.from_pretrained(run_dir, target_model=target.model)
     cfg = drafter.config
     if cfg.target_fingerprint != target.fingerprint:
@@ -260,6 +263,12 @@ def load_drafter(run_dir: Path, target) -> Eagle3Drafter:
         raise HstapError(f"{run_dir}: drafter expects vocab {cfg.vocab_size} and layers {cfg.aux_layer_ids}, "
                          f"the target has vocab {target.model.config.vocab_size} and {target.num_layers} layers")
     return drafter.to(device=target.model.device, dtype=target.model.dtype).eval()
+
+
+def _report_dir(drafter: Path) -> Path:
+    """Reports go beside a drafter directory; a shipped drafter's name (its files live in the cache) gets
+    runs/eval-NAME."""
+    return drafter if drafter.exists() else Path("runs") / f"eval-{drafter}"
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True,
@@ -280,6 +289,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True,
                                 "device": str(target.model.device), "dtype": dtype_name(target.model.dtype),
                                 "torch_threads": torch.get_num_threads()},
                         prompts=prompts, vanilla=vanilla, methods=methods)
-    result.out_dir = Path(cfg.out or cfg.drafter)
+    result.out_dir = Path(cfg.out or _report_dir(cfg.drafter))
     result.files = write_report(result.to_dict(), result.out_dir)
     return result

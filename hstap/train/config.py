@@ -68,8 +68,8 @@ class TrainConfig(BaseModel):
                                          flag="--time-budget", metavar="DURATION", gt=0)
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
     init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
-                                    "dir of the same target and layers; fresh optimizer and schedule)",
-                                    metavar="DIR")
+                                    "dir of the same target and layers, or a shipped drafter's name: "
+                                    "smollm2-recipe; fresh optimizer and schedule)", metavar="DIR|NAME")
     overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
                                     "are deleted first")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "

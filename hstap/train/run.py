@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, target_to_draft_ids
+from hstap.drafter.shipped import resolve_drafter
 from hstap.config import TeacherSpec
 from hstap.errors import HstapError
 from hstap.faults import fault_point
@@ -130,9 +131,9 @@ def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
     if cfg.init_from is not None:  # a drafter trained earlier (another session, a smaller set) keeps learning
-        _check_resume_compatible(Path(cfg.init_from), layer_ids, target.hidden_size, target.fingerprint,
-                                 flag="--init-from")
-        drafter = Eagle3Drafter.from_pretrained(cfg.init_from, target.model).float()
+        init = resolve_drafter(cfg.init_from, flag="--init-from")  # a run directory or a shipped drafter's name
+        _check_resume_compatible(init, layer_ids, target.hidden_size, target.fingerprint, flag="--init-from")
+        drafter = Eagle3Drafter.from_pretrained(init, target.model).float()
         return drafter  # its own draft vocabulary: the head's rows are those tokens
     vocab = target.model.config.vocab_size
     size = min(cfg.draft_vocab, vocab)
@@ -329,7 +330,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 last_eval = heldout_eval()
                 log_eval(last_eval)
     bar.close()
-    if dist.rank == 0 and last_eval is initial:
+    # a run that stops mid-epoch (a step or time budget) is judged where it stopped, not at its last epoch's end
+    if dist.rank == 0 and (last_eval is initial or state.step_in_epoch > 0):
         last_eval = heldout_eval()
         log_eval(last_eval)
     log.close()

@@ -207,6 +207,7 @@ def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_
     assert fitted[0]["total_steps"] == steps and 17 <= steps <= 29 and result.steps == steps
     lrs = [r["lr"] for r in records if r["kind"] == "train"]
     assert lrs[-1] == 0.0 and max(lrs) == pytest.approx(cfg.lr)  # warmed up and decayed fully
+    assert [r for r in records if r["kind"] == "eval"][-1]["step"] == steps  # judged where it stopped
 
     more = cfg.model_copy(update={"resume": True})  # the checkpoint holds the fitted total: nothing left to do
     assert run_train(more, progress=False).steps == steps

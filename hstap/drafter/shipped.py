@@ -1,0 +1,81 @@
+"""Drafters that ship inside the package, by name, wherever a drafter directory is taken:
+
+    hstap train --online ... --init-from smollm2-recipe     # continue the GPU recipe's drafter
+    hstap eval --drafter smollm2-recipe --bench mt-bench --chain 3 --out runs/eval-recipe
+
+A GPU session here lasts 30 minutes and nothing outside git outlives it, so a drafter trained from zero each time
+stops where one session's steps leave it (docs/benchmarks.md: about +0.2 chain-3 τ per doubling of the tokens
+trained). Shipping the recipe's drafter lets every session add its steps to the last one's. A shipped drafter is a
+`hstap train` run directory whose weights are xz-compressed (`model.safetensors.xz`: 29 MB of bf16 → 21 MB);
+`resolve_drafter` unpacks it once into the model cache (`$HSTAP_CACHE/drafters/NAME-SHA12`) and returns that
+directory. `provenance.json` beside it says what trained it and what it measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+import shutil
+from pathlib import Path
+
+from hstap.errors import HstapError
+
+SHIPPED = Path(__file__).parent / "shipped"
+PACKED = "model.safetensors.xz"
+
+
+def shipped_names() -> list[str]:
+    return sorted(d.name for d in SHIPPED.iterdir() if (d / PACKED).is_file()) if SHIPPED.is_dir() else []
+
+
+def resolve_drafter(spec: Path | str, flag: str = "--drafter") -> Path:
+    """A drafter directory as given, or the unpacked directory of the shipped drafter named `spec`."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    if str(spec) not in shipped_names():
+        names = ", ".join(shipped_names()) or "none"
+        raise HstapError(f"{flag} {spec}: no such directory, and no shipped drafter of that name (shipped: {names})")
+    return unpack(SHIPPED / str(spec))
+
+
+def unpack(src: Path) -> Path:
+    """`src`'s drafter as a plain run directory in the cache, unpacked once per content (the name carries the
+    archive's hash, so a newer shipped drafter never meets an older one's files); written to a temporary
+    directory and renamed into place, so concurrent or killed unpacks never leave a torn one."""
+    from hstap.models.target import cache_root
+
+    packed = src / PACKED
+    digest = _sha256(packed)[:12]
+    dest = cache_root() / "drafters" / f"{src.name}-{digest}"
+    if (dest / "model.safetensors").is_file():
+        return dest
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for extra in src.iterdir():
+            if extra.name != PACKED and extra.is_file():
+                shutil.copy2(extra, tmp / extra.name)
+        try:
+            with lzma.open(packed) as f_in, open(tmp / "model.safetensors", "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out, 1 << 20)
+        except (lzma.LZMAError, EOFError) as e:
+            raise HstapError(f"{packed}: not a whole xz archive ({e}); restore it from git") from None
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process unpacked the same archive first: keep its copy
+            if not (dest / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
