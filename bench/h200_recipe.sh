@@ -3,7 +3,11 @@
 # also issue 14's loss-curve comparison (2 GPUs vs 1 GPU with --grad-accum 2, and a 2-GPU run preempted and
 # resumed on 1 GPU) and a drafter on a third of the data. Uses the helpers of bench/h200_session.sh.
 #
+#   BUDGET_MB=30 ../shared/tools/gpu-assets prepare   # here, first: 4 parts, since the shipped drafter (21 MB)
+#     travels with every call's working tree (64 MiB a call)
 #   bash bench/h200_recipe.sh start     # after .gpu/1 is unpacked: set up, then run everything detached
+#   python bench/ship_drafter.py ...    # here, after the session: the drafter it shipped back replaces the
+#     package's (hstap/drafter/shipped/smollm2-recipe), with the session in its provenance.json
 #   bash bench/h200_recipe.sh status    # any later call: progress; results (and, once, the data) into $OUT
 #   INIT=drafter4 SYNTH_S=240 bash bench/h200_recipe.sh cont   # a later device call of the SAME session: continue
 #     a drafter an earlier call shipped back (.gpu/data is outside git: it does not outlive the session)
@@ -17,7 +21,8 @@
 #    [B3 on both GPUs meanwhile];
 # R2 synth of the shuffled set on every GPU, stopped after SYNTH_S seconds (a later session resumes the rest:
 #    prompts and answers come back compressed through $OUT);
-# R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, export [a one-third-data drafter];
+# R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, continuing the shipped drafter (INIT,
+#    default smollm2-recipe; INIT=none from zero), export [a one-third-data drafter];
 # R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1.
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
 #    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
@@ -85,7 +90,12 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
-  lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" \
+  # a drafter continued across sessions meets new prompts each session: the seed is the number of sessions the
+  # shipped drafter has had (this session's was 0 on 2026-12-02), unless PROMPT_SEED says otherwise
+  local seed=${PROMPT_SEED:-$($PY -c "import json; print(len(json.load(open('hstap/drafter/shipped/smollm2-recipe/\
+provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
+  echo "$seed" > "$RUN/results/prompt_seed.txt"
+  lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" --seed "$seed" \
     --source sharegpt:8 --source magpie:6 --source code:6 --device cuda --batch-size 256
   if [ "$NGPU" -gt 1 ]; then
     b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
@@ -109,7 +119,11 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --lr 2e-3 --epochs 30 --calib-prompts 4 --prefetch"
+    --epochs 30 --calib-prompts 4 --prefetch"
+  # the drafter continues the shipped one (INIT, default smollm2-recipe, at lr 1e-3 as the third run's C and D
+  # did); INIT=none trains from zero at 2e-3
+  if [ "${INIT:-smollm2-recipe}" = none ]; then T="$T --lr ${LR:-2e-3}"; else
+    T="$T --lr ${LR:-1e-3} --init-from ${INIT:-smollm2-recipe}"; fi
   # an A/B trains both arms for the same number of steps (one schedule): a time budget fits each arm's schedule
   # to its own probe, and on 2026-12-02 the arms' probes, taken side by side, planned 1,407 and 937 steps
   if [ -n "${AB_ARGS:-}" ]; then T="$T --max-steps ${AB_STEPS:-1000}"; else T="$T --time-budget $TRAIN_BUDGET"; fi

@@ -312,8 +312,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             state.train_tokens += tokens
             tokens_this_run += tokens
             rate = tokens_per_second(tokens_this_run, time.perf_counter() - start)
-            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": loss,
-                       "step_losses": step_losses, "lr": scheduler.get_last_lr()[0],
+            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.train_tokens,
+                       "loss": loss, "step_losses": step_losses, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": grad_norm, "tokens_per_s": rate})
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
