@@ -28,25 +28,38 @@ from hstap.runtime.shapes import DraftShape
 MAX_PROMPT_TOKENS = 1024  # longer held-out prompts are passed over: the measurement should cost seconds
 
 
-def calibration_prompts(source, indices: list[int], n: int) -> list[Prompt]:
+def calibration_indices(source, indices: list[int], n: int) -> list[int]:
     """The first `n` samples of `indices` (held-out) that have an answer and a prompt of at most
-    MAX_PROMPT_TOKENS tokens, cut just before their first answer token (the assistant header included, as
+    MAX_PROMPT_TOKENS tokens."""
+    chosen: list[int] = []
+    for i in indices:
+        if len(chosen) == n:
+            break
+        answer = source.token_masks(i)[1].nonzero()  # (A, 1) positions of answer tokens
+        if answer.numel() and 0 < int(answer[0]) <= MAX_PROMPT_TOKENS:
+            chosen.append(i)
+    return chosen
+
+
+def calibration_prompts(source, indices: list[int], n: int) -> list[Prompt]:
+    """`calibration_indices`' samples cut just before their first answer token (the assistant header included, as
     `render_prompt` writes it)."""
     prompts: list[Prompt] = []
-    for i in indices:
-        if len(prompts) == n:
-            break
+    for i in calibration_indices(source, indices, n):
         ids, loss_mask = source.token_masks(i)
-        answer = loss_mask.nonzero()  # (A, 1) positions of answer tokens
-        if answer.numel() and 0 < int(answer[0]) <= MAX_PROMPT_TOKENS:
-            prompts.append(Prompt(source.ids[i], ids[:int(answer[0])].tolist()))
+        prompts.append(Prompt(source.ids[i], ids[:int(loss_mask.nonzero()[0])].tolist()))
     return prompts
 
 
 @torch.no_grad()
-def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens: int, tau_est: dict) -> dict:
+def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens: int, tau_est: dict,
+              tau_est_same: float = math.nan) -> dict:
     """Greedy chain speculative decoding of every prompt; → the measured τ next to the estimate for the same chain
-    length (`tau_est` maps chain length → estimated τ, as `evaluate_heldout` returns it) and their gap."""
+    length (`tau_est` maps chain length → estimated τ, as `evaluate_heldout` returns it) and their gap, and next
+    to `tau_est_same`, the estimate replayed on these very prompts' held-out answers cut at `max_new_tokens`
+    (`hstap.train.heldout.replayed_first_answers`). The first gap mixes two things: the first tokens of a few answers
+    against whole answers with their repetitive tails, and the estimate's own error; `gap_same` is the second
+    alone (0 in fp32 on the target's own greedy answers)."""
     if not prompts:
         return {}
     shape = DraftShape.parse(f"chain:{chain}")
@@ -59,5 +72,6 @@ def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens
     method = MethodResult(shape.spec, shape, generations)
     estimate = float(tau_est.get(chain, tau_est.get(str(chain), math.nan)))
     return {"chain": chain, "tau_measured": method.tau, "tau_est": estimate, "gap": method.tau - estimate,
+            "tau_est_same": tau_est_same, "gap_same": method.tau - tau_est_same,
             "prompts": len(prompts), "tokens": method.tokens, "verify_forwards": method.verify_forwards,
             "seconds": time.perf_counter() - start}

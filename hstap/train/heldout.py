@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hstap.train.data import BatchSource, SampleSource, load_batch, plan_batches
@@ -55,3 +57,28 @@ def evaluate_heldout(drafter, source: SampleSource | BatchSource, indices: list[
         "tau_per_position": per_position,
         "positions": counted[0],
     }
+
+
+def first_answers(answer: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool answer tokens → each row's first answer segment only (its first turn's answer)."""
+    a = answer.long()
+    starts = torch.cat([a[:, :1], (a[:, 1:] - a[:, :-1]).clamp_min(0)], dim=1)  # (B, S) 1 where a segment starts
+    return answer & (starts.cumsum(1) == 1)
+
+
+@torch.no_grad()
+def replayed_first_answers(drafter, source: SampleSource | BatchSource, indices: list[int], layer_ids: list[int],
+                           t2d_ids: torch.Tensor, cfg, device: torch.device, chain: int,
+                           max_new_tokens: int) -> float:
+    """The held-out estimate on exactly what calibration decodes: these samples' first answers, each cut where a
+    decode of `max_new_tokens` stops (`simulated_tau`), as one batch. NaN without samples."""
+    if not indices:
+        return math.nan
+    was_training = drafter.training
+    drafter.eval()
+    batch = load_batch(source, indices, layer_ids, device)
+    with autocast(device):
+        out = ttt_forward(drafter, batch, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention)
+    drafter.train(was_training)
+    answer = first_answers((batch.loss_mask & batch.valid).cpu())
+    return simulated_tau(out.run_lengths.cpu(), answer, chain, max_new_tokens)[0]

@@ -30,9 +30,9 @@ from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
 from hstap.train import checkpoint, distributed, rundir
 from hstap.train.config import TrainConfig
-from hstap.train.calibrate import calibrate, calibration_prompts
+from hstap.train.calibrate import calibrate, calibration_indices, calibration_prompts
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
-from hstap.train.heldout import evaluate_heldout
+from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
 from hstap.train.ttt import TTTModel, batch_tensors
 from hstap.train.ttt import autocast as ttt_autocast
@@ -59,7 +59,9 @@ class TrainResult:
         c = h.get("calibration")
         if c:
             lines.append(f"measured τ (chain {c['chain']}, {c['prompts']} held-out prompts, {c['tokens']} tokens) "
-                         f"{c['tau_measured']:.2f} vs estimated {c['tau_est']:.2f}: gap {c['gap']:+.2f}")
+                         f"{c['tau_measured']:.2f} vs estimated {c['tau_est']:.2f}: gap {c['gap']:+.2f}; estimated on "
+                         f"the same answers and tokens {c.get('tau_est_same', float('nan')):.2f}: gap "
+                         f"{c.get('gap_same', float('nan')):+.2f}")
         return "\n".join(lines)
 
 
@@ -261,14 +263,18 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         (out / "metrics.jsonl").write_text("")
     log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0, tensorboard=out / "tb",
                                 purge_step=state.step if cfg.resume else None)
-    prompts = calibration_prompts(source, held_idx, cfg.calib_prompts) if dist.rank == 0 else []
+    calib_idx = calibration_indices(source, held_idx, cfg.calib_prompts) if dist.rank == 0 else []
+    prompts = calibration_prompts(source, calib_idx, len(calib_idx))
 
     def heldout_eval(calibrated: bool = True) -> dict:
         """Held-out metrics, and τ measured on `prompts` next to the estimate (rank 0 only)."""
         result = evaluate_heldout(drafter, source, held_idx, layer_ids, t2d_ids, cfg, device)
         if calibrated and prompts:
-            result["calibration"] = calibrate(target, drafter, prompts, min(cfg.calib_chain, cfg.ttt_steps),
-                                              cfg.calib_tokens, result.get("tau_est", {}))
+            chain = min(cfg.calib_chain, cfg.ttt_steps)
+            same = replayed_first_answers(drafter, source, calib_idx, layer_ids, t2d_ids, cfg, device, chain,
+                                          cfg.calib_tokens)
+            result["calibration"] = calibrate(target, drafter, prompts, chain, cfg.calib_tokens,
+                                              result.get("tau_est", {}), same)
         return result
 
     def log_eval(result: dict) -> None:

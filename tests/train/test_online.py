@@ -103,7 +103,9 @@ def test_calibration_logs_measured_and_estimated_tau(two_runs):
     assert "calibration" not in evals[0], "the untrained drafter is not calibrated"
     calib = evals[-1]["calibration"]
     assert calib["chain"] == 2 and calib["prompts"] == 2 and 0 < calib["tokens"] <= 16
-    assert all(math.isfinite(calib[key]) for key in ("tau_measured", "tau_est", "gap", "seconds"))
+    assert all(math.isfinite(calib[key]) for key in ("tau_measured", "tau_est", "gap", "seconds", "tau_est_same",
+                                                      "gap_same"))
+    assert calib["gap_same"] == pytest.approx(calib["tau_measured"] - calib["tau_est_same"])
     assert 1.0 <= calib["tau_measured"] <= calib["chain"] + 1
     assert calib["tau_est"] == pytest.approx(evals[-1]["tau_est"]["2"])
     assert calib["gap"] == pytest.approx(calib["tau_measured"] - calib["tau_est"])

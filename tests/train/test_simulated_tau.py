@@ -3,6 +3,8 @@ speculative decoding measures with the same drafter (fp32, CPU), cycle for cycle
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from hstap.drafter.vocab import target_to_draft_ids
 from hstap.evaluate.run import MethodResult
 from hstap.evaluate.spec import Methods
 from hstap.runtime.shapes import DraftShape
+from hstap.train.heldout import first_answers, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
 from hstap.train.ttt import simulated_tau, ttt_forward
 
@@ -68,3 +71,14 @@ def test_simulated_tau_equals_measured_chain_decoding(target, tokenizer):
     assert 1.5 < measured.tau < CHAIN + 0.5, "a drafter this test can tell apart from 1 and from perfect"
     assert cycles == measured.verify_forwards
     assert simulated == pytest.approx(measured.tau, abs=1e-9)
+    # what training's calibration logs beside its measurement: the same estimate, through the source
+    cfg = SimpleNamespace(ttt_steps=CHAIN, decay=0.8, ttt_attention="auto")
+    same = replayed_first_answers(drafter, source, list(range(len(samples))), layers, t2d_ids, cfg,
+                                  torch.device("cpu"), CHAIN, NEW)
+    assert same == pytest.approx(measured.tau, abs=1e-9)
+
+
+def test_first_answers_keeps_each_rows_first_answer_segment():
+    answer = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    want = torch.tensor([[0, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(first_answers(answer), want)
