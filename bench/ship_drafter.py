@@ -14,6 +14,7 @@ Refused when the new drafter is for another target or layers, or when the run di
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import lzma
 import shutil
@@ -34,7 +35,7 @@ def session_record(run_dir: Path, note: str, command: str) -> dict:
     trains = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if line.strip() and '"kind": "train"' in line]
     tokens = trains[-1].get("tokens") if trains else 0  # cumulative in the run (runs before 2026-12-02: absent)
-    return {"run": note, "command": command, "init_from": cfg.get("init_from"), "data": cfg.get("data"),
+    return {"date": datetime.date.today().isoformat(), "run": note, "command": command, "init_from": cfg.get("init_from"), "data": cfg.get("data"),
             "steps": trains[-1]["step"] if trains else 0, "tokens_trained": tokens, "lr": cfg.get("lr"),
             "ttt_steps": cfg.get("ttt_steps"), "draft_vocab": cfg.get("draft_vocab"),
             "tokens_per_s": trains[-1].get("tokens_per_s") if trains else None}
