@@ -44,7 +44,7 @@ def block_numbers(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, scal
                   grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One block's loss share, argmax and d loss / d logits from its logits, in two reads of the logits when
     compiled (the eager form writes and re-reads fp32 copies of the (c, Vd) block about ten times: 36 % of a
-    SmolLM2 TTT step on an H200, 2026-12-02).
+    SmolLM2 TTT step on an H200, 2026-12-02). The CUDA form; `block_numbers_inplace` is the eager one.
 
     logits (c, Vd) in the matmul dtype; ids (c, K) draft ids (clamped ≥ 0); p (c, K) fp32 teacher probabilities
     (0 where the id was outside the draft vocabulary); scale (c,) each position's share of the mean.
@@ -67,13 +67,31 @@ def block_numbers(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, scal
     return loss, argmax, grad.scatter(-1, ids, at_ids.to(logits.dtype))
 
 
+def block_numbers_inplace(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, scale: torch.Tensor,
+                          grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`block_numbers` for eager runs (the CPU), in place on one fp32 (c, Vd) buffer with the teacher's share
+    subtracted by `scatter_add_` (which sums repeated ids itself): eager, each out-of-place step of `block_numbers`
+    allocates and fills another (c, Vd) tensor, and its (c, K, K) comparison costs as much again on a CPU (the head
+    of a CPU training step took twice as long)."""
+    x = logits.float()  # (c, Vd)
+    argmax = x.argmax(-1)  # (c,)
+    logq_all = torch.log_softmax(x, -1)  # (c, Vd)
+    loss = (-(p * logq_all.gather(-1, ids)).sum(-1) * scale).sum()
+    if not grads:
+        return loss, argmax, None
+    grad = logq_all.exp_().mul_(p.sum(-1, keepdim=True))  # (c, Vd) softmax · Σp
+    grad.scatter_add_(-1, ids, -p).mul_(scale[:, None])  # d loss / d logits
+    return loss, argmax, grad.to(logits.dtype)
+
+
 _compiled_failed: list[str] = []  # the compile error, once: every later block runs eager
 
 
 def _block_fn(device: torch.device):
-    """`block_numbers` compiled on CUDA (dynamic shapes: the last block of a step is shorter), eager elsewhere."""
+    """`block_numbers` compiled on CUDA (dynamic shapes: the last block of a step is shorter), its in-place form
+    elsewhere."""
     if device.type != "cuda" or _compiled_failed:
-        return block_numbers
+        return block_numbers_inplace
     return _compiled_block()
 
 
@@ -83,14 +101,14 @@ def _compiled_block():
 
     def run(*args):
         if _compiled_failed:
-            return block_numbers(*args)
+            return block_numbers_inplace(*args)
         try:
             return compiled(*args)
         except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go eager
             _compiled_failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             print(f"hstap: the compiled head loss failed ({_compiled_failed[0]}); continuing with the eager one",
                   file=sys.stderr)
-            return block_numbers(*args)
+            return block_numbers_inplace(*args)
     return run
 
 
