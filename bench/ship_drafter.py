@@ -21,38 +21,30 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ beside this file, for spec_decode's totals
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ beside this file, for spec_decode's summary
 
-from spec_decode import _totals  # noqa: E402
+from spec_decode import summary  # noqa: E402
 
 from hstap.drafter import DrafterConfig  # noqa: E402
 from hstap.drafter.shipped import PACKED, SHIPPED  # noqa: E402
-from hstap.metrics import acceptance_length, tokens_per_second  # noqa: E402
+from hstap.train.run import load_metrics  # noqa: E402
 
 
 def session_record(run_dir: Path, note: str, command: str) -> dict:
     cfg = json.loads((run_dir / "train_config.json").read_text())
-    trains = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if line.strip() and '"kind": "train"' in line]
+    trains = [r for r in load_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     tokens = trains[-1].get("tokens") if trains else 0  # cumulative in the run (runs before 2026-12-02: absent)
-    return {"date": datetime.date.today().isoformat(), "run": note, "command": command, "init_from": cfg.get("init_from"), "data": cfg.get("data"),
-            "steps": trains[-1]["step"] if trains else 0, "tokens_trained": tokens, "lr": cfg.get("lr"),
-            "ttt_steps": cfg.get("ttt_steps"), "draft_vocab": cfg.get("draft_vocab"),
-            "tokens_per_s": trains[-1].get("tokens_per_s") if trains else None}
+    return {"date": datetime.date.today().isoformat(), "run": note, "command": command,
+            "init_from": cfg.get("init_from"), "data": cfg.get("data"), "steps": trains[-1]["step"] if trains else 0,
+            "tokens_trained": tokens, "lr": cfg.get("lr"), "ttt_steps": cfg.get("ttt_steps"),
+            "draft_vocab": cfg.get("draft_vocab"), "tokens_per_s": trains[-1].get("tokens_per_s") if trains else None}
 
 
 def mt_bench(spec_log: Path) -> dict:
     records = [json.loads(line) for line in spec_log.read_text().splitlines() if line.strip()]
-    base = _totals(records, "vanilla")
-    base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
-    tau, speedup = {}, {}
-    for method in records[0]["methods"]:
-        if method == "vanilla":
-            continue
-        t = _totals(records, method)
-        tau[method] = round(acceptance_length(int(t["emitted"]), int(t["verify_forwards"])), 2)
-        speedup[method] = round(tokens_per_second(int(t["tokens"]), t["seconds"]) / base_rate, 2)
-    return {"prompts": len(records), "tau": tau, "speedup": speedup}
+    figures = {m: f for m, f in summary(records).items() if m != "vanilla"}
+    return {"prompts": len(records), "tau": {m: round(f["tau"], 2) for m, f in figures.items()},
+            "speedup": {m: round(f["speedup"], 2) for m, f in figures.items()}}
 
 
 def main() -> None:

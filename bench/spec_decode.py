@@ -52,22 +52,33 @@ def _totals(records: list[dict], method: str) -> dict:
     return total
 
 
+def summary(records: list[dict]) -> dict[str, dict]:
+    """τ, tok/s and speedup over vanilla of every method in one log of one batch size: what `table` prints, and
+    what bench/ship_drafter.py records in a shipped drafter's provenance."""
+    base = _totals(records, "vanilla")
+    base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
+    out = {}
+    for m in records[0]["methods"]:
+        t = _totals(records, m)
+        rate = tokens_per_second(int(t["tokens"]), t["seconds"])
+        tau = acceptance_length(int(t["emitted"]), int(t["verify_forwards"])) if t["verify_forwards"] else float("nan")
+        out[m] = {"tau": tau, "tok_s": rate, "speedup": rate / base_rate if base_rate else float("nan")}
+    return out
+
+
 def table(records: list[dict]) -> str:
     """Markdown table over the logged prompts of one batch size, then the goals it meets or misses."""
     methods = list(records[0]["methods"])
-    base = _totals(records, "vanilla")
-    base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
+    figures = summary(records)
     lines = ["| method | τ | tok/s | speedup | speedup/τ | ms per cycle | drafting ms | verification ms | between ms "
              "| prefill ms per prompt | same as vanilla |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows = {}
     for m in methods:
         t = _totals(records, m)
-        rate = tokens_per_second(int(t["tokens"]), t["seconds"])
-        tau = acceptance_length(int(t["emitted"]), int(t["verify_forwards"])) if t["verify_forwards"] else float("nan")
+        rate, tau, speedup = figures[m]["tok_s"], figures[m]["tau"], figures[m]["speedup"]
         cycle = 1000 * t["seconds"] / t["cycles"] if t["cycles"] else float("nan")
         draft = 1000 * t["draft_seconds"] / t["cycles"] if t["cycles"] else float("nan")
         verify = 1000 * t["verify_seconds"] / t["cycles"] if t["cycles"] else float("nan")
-        speedup = rate / base_rate if base_rate else float("nan")
         rows[m] = {"tok/s": rate, "speedup/τ": speedup / tau}
         between = 1000 * t["between_seconds"] / t["cycles"] if t["cycles"] else float("nan")
         prefill = 1000 * t["prefill_seconds"] / len(records)
