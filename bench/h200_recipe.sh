@@ -28,8 +28,8 @@
 #    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
 #    AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
-# PROFILE=1: R4 also profiles the online trainer's step (bench/train_online.py --profile), right after the first
-#    drafter's MT-bench run (on 2026-12-02 it came last and the session's device time ran out before it).
+# PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on
+#    2026-12-02 it came last and the session's device time ran out before it).
 # THROUGHPUT=1: R4 ends with bench/train_throughput.py on the SmolLM2 shape (the drafter step alone, 32 x 2,048).
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
@@ -224,7 +224,7 @@ phase_c() {  # a session that continues an earlier drafter. INIT (a drafter ship
     $PY -c "import random, sys; lines = open(sys.argv[1]).readlines(); random.Random(0).shuffle(lines); \
 open(sys.argv[2], 'w').writelines(lines)" "$RUN/prompts.jsonl" "$RUN/p0.jsonl"
     step c2_synth env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -s INT "$SYNTH_S" $HSTAP synth \
-      --model smollm2 --data "jsonl:$RUN/p0.jsonl" --turns all --out "$RUN/synth0.jsonl" --device cuda \
+      --model smollm2 --data "jsonl:$RUN/p0.jsonl" --turns "${TURNS:-first}" --out "$RUN/synth0.jsonl" --device cuda \
       --batch-size 256 --max-new-tokens 384
     cp "$RUN/synth0.jsonl" "$RUN/synth.jsonl" && synth_stats
     data_out

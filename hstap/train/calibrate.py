@@ -41,14 +41,16 @@ def calibration_indices(source, indices: list[int], n: int) -> list[int]:
     return chosen
 
 
+def prompt_of(source, index: int) -> Prompt:
+    """Sample `index` cut just before its first answer token (the assistant header included, as `render_prompt`
+    writes it)."""
+    ids, loss_mask = source.token_masks(index)
+    return Prompt(source.ids[index], ids[:int(loss_mask.nonzero()[0])].tolist())
+
+
 def calibration_prompts(source, indices: list[int], n: int) -> list[Prompt]:
-    """`calibration_indices`' samples cut just before their first answer token (the assistant header included, as
-    `render_prompt` writes it)."""
-    prompts: list[Prompt] = []
-    for i in calibration_indices(source, indices, n):
-        ids, loss_mask = source.token_masks(i)
-        prompts.append(Prompt(source.ids[i], ids[:int(loss_mask.nonzero()[0])].tolist()))
-    return prompts
+    """`calibration_indices`' samples as prompts (`prompt_of`)."""
+    return [prompt_of(source, i) for i in calibration_indices(source, indices, n)]
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
 from hstap.train import checkpoint, distributed, rundir
 from hstap.train.config import TrainConfig
-from hstap.train.calibrate import calibrate, calibration_indices, calibration_prompts
+from hstap.train.calibrate import calibrate, calibration_indices, prompt_of
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
 from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
@@ -264,7 +264,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0, tensorboard=out / "tb",
                                 purge_step=state.step if cfg.resume else None)
     calib_idx = calibration_indices(source, held_idx, cfg.calib_prompts) if dist.rank == 0 else []
-    prompts = calibration_prompts(source, calib_idx, len(calib_idx))
+    prompts = [prompt_of(source, i) for i in calib_idx]
 
     def heldout_eval(calibrated: bool = True) -> dict:
         """Held-out metrics, and τ measured on `prompts` next to the estimate (rank 0 only)."""
