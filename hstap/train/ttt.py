@@ -148,12 +148,16 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     hidden = drafter.project(batch.aux)  # (B, S, H)
     total = torch.zeros((), device=hidden.device)
     stats, hits, countable = [], [], []
+    # the teacher in draft ids, once per batch; step k reads it shifted by 1 + k (the target's distribution at
+    # t+1+k). Shifted-in tail positions are never counted (their token t+2+k lies past the sequence), so their
+    # fill only has to be harmless: no id, probability 0.
+    teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
         hidden = drafter.layer_step(tokens, hidden, positions + k, attend)  # (B, S, H)
-        teacher_ids = shift_left(batch.topk_ids, 1 + k, 0)  # target distribution at t+1+k
-        teacher_lp = shift_left(batch.topk_logprobs, 1 + k, float("-inf"))
-        draft_ids, probs, argmax_inside = teacher_in_draft_vocab(teacher_ids, teacher_lp, t2d_ids)
+        draft_ids = shift_left(teacher_ids, 1 + k, -1)  # (B, S, K)
+        probs = shift_left(teacher_probs, 1 + k, 0.0)  # (B, S, K)
+        argmax_inside = shift_left(teacher_inside, 1 + k, False)  # (B, S)
         predicted_counts = shift_left(counted & batch.valid, 2 + k, False)  # token t+2+k
         weight = predicted_counts & argmax_inside & batch.valid
         # = soft_cross_entropy(lm_head(norm(hidden)), ...), one block of positions at a time (hstap.train.loss)

@@ -1,5 +1,6 @@
 """The MFU numerator counts what the drafter really multiplies: checked against PyTorch's FLOP counter on a real
-unroll (materialised attention, whose full (S, S) products the counter sees in place of the useful pairs)."""
+unroll (materialised attention, whose full (S, S) products the counter sees in place of the useful pairs, plus
+the diagonal keys' two batched matmuls)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_forward_count_matches_the_flop_counter():
         ttt_forward(drafter, batch, target_to_draft_ids(drafter.d2t, 50), steps=steps, attention="math")
     fwd = ttt_forward_flops(cfg, s, steps, b)
     full_square = steps * 2 * (2 * b * 4 * s * s * 16)  # QKᵀ and PV over every (query, key) pair, per step
-    assert counter.get_total_flops() == fwd["fc"] + fwd["layer"] + fwd["lm_head"] + full_square
+    diagonal = sum(k * s for k in range(steps)) * b * 2 * (2 * 4 * 16)  # step k's k diagonal keys: two matmuls
+    assert counter.get_total_flops() == fwd["fc"] + fwd["layer"] + fwd["lm_head"] + full_square + diagonal
     # the useful pairs: causal step-0 keys plus k diagonal keys at step k
     visible = sum(int(torch.ones(s, s).tril().sum()) + k * s for k in range(steps))
     assert fwd["attention"] == 4 * 16 * 4 * visible * b
