@@ -11,7 +11,9 @@ Every rank trains a batch of its own, so tokens/s is the sum over ranks; peak me
 (`hstap.train.flops`: fc, layer, lm_head and the real TTT attention — causal prefix plus diagonal — per step,
 forward + backward) / step time / `--peak-tflops` (default: the H200's dense bf16 peak, 989.4 TFLOP/s), and also
 as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 product on CUDA). `--seq` takes
-several lengths, measured one after another in one process. Rank 0 prints; `--json` adds machine-readable lines.
+several lengths, measured one after another in one process. `--fused both` times every length with the
+drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side.
+Rank 0 prints; `--json` adds machine-readable lines.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
 from hstap.train.attention import BACKENDS
@@ -103,6 +105,39 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
 
 
+def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
+            on: bool) -> None:
+    """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory."""
+    shape = SHAPES[args.shape]
+    h, vocab = shape["hidden_size"], shape["vocab_size"]
+    cuda = dist.device.type == "cuda"
+    torch.manual_seed(1 + dist.rank)  # each rank its own data
+    batch = synthetic_batch(h, vocab, t2d, args.batch, seq).to(dist.device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dist.device)
+    step_s = dist.agree_max(time_steps(model, opt, batch, dist.device, args.steps))  # the slowest rank
+    kernels = "fused" if on and fused.active() and cuda else "eager"  # after the steps: a failed compile says eager
+    tokens = args.batch * seq * dist.world_size
+    tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
+    mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
+    peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
+    peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
+    if dist.rank == 0:
+        print(f"seq {seq} [{kernels}]: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
+              f"{dist.world_size} rank(s), {tflops:.3g} TFLOP/s of model FLOPs per device: MFU {100 * mfu:.1f}% "
+              f"({100 * of_matmul:.1f}% of the measured matmul rate), peak memory {peak_gib:.1f} GiB per GPU")
+        if args.json:
+            print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
+                              "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
+                              "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
+                              "mfu": mfu, "matmul_tflops": measured, "attention": args.attention,
+                              "kernels": kernels}))
+    if args.profile and dist.rank == 0:
+        print_profile(model, opt, batch, dist.device, args.profile)
+    del batch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +150,8 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=BACKENDS,
                     help="TTT attention backend (auto: flex on CUDA; math: materialised prefix scores)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
+    ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
+                    help="the drafter's fused elementwise chains (CUDA); both = eager then fused, per length")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -142,31 +179,13 @@ def main() -> None:
               f"attention {args.attention}, median of {args.steps} steps")
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
     for seq in args.seq:
-        torch.manual_seed(1 + dist.rank)  # each rank its own data
-        batch = synthetic_batch(h, vocab, t2d, args.batch, seq).to(dist.device)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dist.device)
-        step_s = dist.agree_max(time_steps(model, opt, batch, dist.device, args.steps))  # the slowest rank
-        tokens = args.batch * seq * dist.world_size
-        tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
-        mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
-        peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
-        peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
-        if dist.rank == 0:
-            print(f"seq {seq}: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
-                  f"{dist.world_size} rank(s), {tflops:.3g} TFLOP/s of model FLOPs per device: MFU {100 * mfu:.1f}% "
-                  f"({100 * of_matmul:.1f}% of the measured matmul rate), peak memory {peak_gib:.1f} GiB per GPU")
-            if args.json:
-                print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
-                                  "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
-                                  "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
-                                  "mfu": mfu, "matmul_tflops": measured, "attention": args.attention}))
-        if args.profile and dist.rank == 0:
-            print_profile(model, opt, batch, dist.device, args.profile)
-        del batch
+        for on in modes:
+            fused.enable(on)
+            measure(args, cfg, model, opt, dist, t2d, seq, measured, on)
     if dist.enabled:
+
         torch.distributed.destroy_process_group()
 
 

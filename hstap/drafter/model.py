@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hstap.drafter import fused
 from hstap.drafter.config import DrafterConfig
 
 # (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)
@@ -36,20 +37,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Llama's RMSNorm: normalised in fp32, rounded to the input dtype, then scaled by the weight. The
-        normalisation is one fused operator (`F.rms_norm`, no weight: that product stays in the weight's dtype as
-        Llama's is) instead of five, in a step that runs four norms per TTT step, forward and backward."""
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        """Llama's RMSNorm: normalised in fp32, rounded to the input dtype, then scaled by the weight (one fused
+        kernel on CUDA, `hstap.drafter.fused`)."""
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, n, S, hd); cos/sin (B, S, hd)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """x (B, n, S, hd); cos/sin (B, S, hd) → x·cos + rotate_half(x)·sin (one fused kernel on CUDA)."""
+    return fused.rope(x, cos, sin)
 
 
 class Rotary(nn.Module):
@@ -93,7 +88,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class MidLayer(nn.Module):

@@ -126,6 +126,12 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: 
     elementwise (one product and one sum per key, then one multiply-add per value) they were a third of a
     SmolLM2 TTT step's device time on an H200 (2026-12-02: `aten::mul` 22 %, the largest entry) and ~6k of its
     operator calls."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 matmuls: autocast would run them in bf16
+        return _merge_fp32(q, out, lse, keys, values, scale)
+
+
+def _merge_fp32(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], scale: float) -> torch.Tensor:
     b, nh, s, hd = q.shape
     nkv = keys[0].shape[1]
     g = nh // nkv

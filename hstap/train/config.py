@@ -51,6 +51,8 @@ class TrainConfig(BaseModel):
     ttt_attention: Literal["auto", "flex", "math"] = option(
         "auto", "TTT attention kernel: flex (fused, CUDA), math (materialised scores, exact reference), "
         "auto = flex on CUDA")
+    compile: bool = option(True, "(CUDA) fuse the drafter's elementwise chains (norms, rotary, the MLP's gate) with "
+                                 "torch.compile; a compiler that fails or disagrees falls back to eager, said once")
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
                                            "on a CPU)", ge=1)
     loss_on: Literal["answers", "all"] = option(

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, target_to_draft_ids
+from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, fused, target_to_draft_ids
 from hstap.drafter.shipped import resolve_drafter
 from hstap.config import TeacherSpec
 from hstap.errors import HstapError
@@ -215,6 +215,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     from hstap.models import load_target
 
     cfg = cfg.sized_for_device()
+    fused.enable(cfg.compile)
     rundir.preflight(cfg)  # no model, no process group yet: bad flags and a run directory in use fail at once
     dist = distributed.setup(cfg.device)
     device = dist.device
