@@ -23,14 +23,16 @@
 #    prompts and answers come back compressed through $OUT);
 # R3 the drafter: online training on every GPU (DDP) for TRAIN_BUDGET, continuing the shipped drafter (INIT,
 #    default smollm2-recipe; INIT=none from zero), export [a one-third-data drafter];
-# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60) at batch 1.
+# R4 MT-bench (80 questions x 256 new tokens; vanilla, n-gram, chain 3, hybrid 4,2, trees 4,4,16 and 8,8,60, and
+#    chain 3 and the 60-node tree with the drafter's steps unfused) at batch 1.
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
 #    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
 #    AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
 # PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on
 #    2026-12-02 it came last and the session's device time ran out before it).
-# THROUGHPUT=1: R4 ends with bench/train_throughput.py on the SmolLM2 shape (the drafter step alone, 32 x 2,048).
+# THROUGHPUT=1: first, while the assets arrive, bench/train_throughput.py on the SmolLM2 (32 x 2,048) and 8B
+#    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
@@ -82,11 +84,21 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
 }
 
 phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and the one-third-data drafter
+  if [ -n "${THROUGHPUT:-}" ]; then  # synthetic batches need no assets: this runs while they are still arriving.
+    # The drafter step alone, eager vs fused elementwise chains side by side, SmolLM2 and 8B shapes (issues 12, 15);
+    # the compiles it triggers also fill the inductor cache the trainer finds later
+    step r0_throughput $PY bench/train_throughput.py --device cuda --shape smollm2 --draft-vocab 16384 --batch 32 \
+      --seq 2048 --steps 5 --fused both --json
+    step r0_throughput_8b $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 \
+      --seq 2048 8192 --steps 5 --fused both --json
+    bundle
+  fi
   wait_assets
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
   # R0: the gpu-marked tests (issue 11) beside the prompts; the wait after R1 collects them
   step r0_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
+    tests/drafter/test_fused.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
@@ -157,8 +169,11 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
     bundle
   fi
   # R4: MT-bench (spec_decode.py's default shapes; batch 1), the one-third drafter beside it on GPU 1
+  # the default shapes, and chain 3 and the big tree again with the drafter's steps unfused (@eager): the A/B of
+  # the fused drafter step (issue 17), side by side in one run
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
-    --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl"
+    --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes ngram:3 chain:3 chain:3@eager hybrid:4,2 \
+    tree:4,4,16 tree:8,8,60 tree:8,8,60@eager
   if [ "$NGPU" -gt 1 ]; then
     step r4_spec_third env CUDA_VISIBLE_DEVICES=1 $PY bench/spec_decode.py --drafter "$RUN/drafter_third" \
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
@@ -172,10 +187,6 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   if [ -n "${CONTINUOUS:-}" ]; then  # synth's batching: 1,024 ShareGPT requests, static batches vs refilled rows
     bundle
     step r4_continuous $PY bench/continuous.py --device cuda --batch 256 --prompts 1024 --new 384 --temperature 0
-  fi
-  if [ -n "${THROUGHPUT:-}" ]; then  # the drafter step alone on synthetic SmolLM2-shaped batches (no data needed)
-    step r4_throughput $PY bench/train_throughput.py --device cuda --shape smollm2 --draft-vocab 16384 --batch 32 \
-      --seq 2048 --steps 5 --json
   fi
   for log in "$RUN"/results/spec_*.jsonl; do
     $PY bench/spec_decode.py --table "$log" > "${log%.jsonl}_tables.txt" 2>&1

@@ -6,6 +6,8 @@
                                                 # context's last 3, 2 or 1 tokens (longest first); ngram:K,N
     shape = DraftShape.parse("hybrid:3")        # chain:3 from the drafter, but prompt lookup's 3 tokens in the
                                                 # rows whose last 3 tokens occurred before (copying); hybrid:K,N
+    shape = DraftShape.parse("chain:3@eager")   # the same draft, the drafter's captured steps without fused
+                                                # kernels (the A/B of hstap.runtime.drafter's compiled forward)
 """
 
 from __future__ import annotations
@@ -28,10 +30,20 @@ class DraftShape(BaseModel):
     topk: int = Field(default=1, ge=1)
     nodes: int = Field(ge=1)
     match: int = Field(default=0, ge=0)
+    eager: bool = False  # the drafter's steps as plain kernels even inside CUDA graphs (`@eager`)
 
     @classmethod
     def parse(cls, spec: str) -> "DraftShape":
-        """`chain:K` or `tree:DEPTH,TOPK,NODES` (see SHAPES)."""
+        """`chain:K` or `tree:DEPTH,TOPK,NODES` (see SHAPES), optionally followed by `@eager`."""
+        spec, at, kernels = spec.partition("@")
+        if at and kernels != "eager":
+            raise HstapError(f"draft shape {spec}@{kernels}: the only suffix is @eager (the drafter's steps "
+                             "without fused kernels)")
+        shape = cls._parse(spec)
+        return shape.model_copy(update={"eager": True}) if at else shape
+
+    @classmethod
+    def _parse(cls, spec: str) -> "DraftShape":
         kind, _, args = spec.partition(":")
         if kind not in SHAPES:
             raise HstapError(f"draft shape {spec!r}: unknown kind {kind!r}; expected one of "
@@ -46,12 +58,20 @@ class DraftShape(BaseModel):
 
     @property
     def spec(self) -> str:
+        return self._core_spec + ("@eager" if self.eager else "")
+
+    @property
+    def _core_spec(self) -> str:
         if self.kind in ("ngram", "hybrid"):
             return f"{self.kind}:{self.depth}" + (f",{self.match}" if self.match != NGRAM_MATCH else "")
         return f"chain:{self.depth}" if self.kind == "chain" else f"tree:{self.depth},{self.topk},{self.nodes}"
 
     @property
     def label(self) -> str:
+        return self._core_label + (" (drafter steps without fused kernels)" if self.eager else "")
+
+    @property
+    def _core_label(self) -> str:
         if self.kind == "chain":
             return f"chain {self.depth}"
         if self.kind == "ngram":

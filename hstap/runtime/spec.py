@@ -86,7 +86,7 @@ class SpecDecoder:
 
             raise HstapError(f"draft shape {shape.spec} needs a drafter (ngram:K does not)")
         self.rt, self.shape, self.propose = runtime, shape, propose
-        self.lean = LeanDrafter(drafter) if shape.uses_drafter else None
+        self.lean = LeanDrafter(drafter, fused=False if shape.eager else None) if shape.uses_drafter else None
         self.aux_layers = list(drafter.config.aux_layer_ids) if self.lean else []
         self.depth, self.nodes = shape.depth, shape.nodes
         self.reserve = self.reservation(shape)
@@ -144,7 +144,7 @@ class SpecDecoder:
         cuda = self.rt.device.type == "cuda"
         host = [torch.empty(st.out.shape, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         events: list[torch.cuda.Event | None] = [None, None]
-        draft = self.rt.graph(("draft", self.tag), lambda: self._draft(st, slot), self._saved(st, slot))
+        draft = self.rt.graph(("draft", self.tag), lambda: self._captured_draft(st, slot), self._saved(st, slot))
         verify = self.rt.graph(("verify", self.tag), lambda: self._verify_greedy(st, slot), self._saved(st, slot))
 
         def launch(i: int) -> None:
@@ -176,6 +176,13 @@ class SpecDecoder:
             if not ahead:
                 launch(i + 1)
             i += 1
+
+    def _captured_draft(self, st: _State, slot: Slot) -> None:
+        """The drafting graph's body: the drafter's forwards take its fused path (fixed shapes)."""
+        if self.lean is None:
+            return self._draft(st, slot)
+        with self.lean.captured():
+            self._draft(st, slot)
 
     def _absorb(self, packed: list[list[int]], results: list[SpecRow], max_new: int, stops: set[int]) -> None:
         for row, values in zip(results, packed):

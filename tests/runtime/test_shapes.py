@@ -28,6 +28,9 @@ def test_parse_shapes():
     ngram = DraftShape.parse("ngram:3")
     assert (ngram.depth, ngram.nodes, ngram.match, ngram.spec, ngram.uses_drafter) == (3, 3, 3, "ngram:3", False)
     assert DraftShape.parse("ngram:5,2").spec == "ngram:5,2"
+    eager = DraftShape.parse("tree:8,8,60@eager")  # the same draft, the drafter's steps unfused
+    assert eager.eager and eager.spec == "tree:8,8,60@eager" and eager.model_copy(update={"eager": False}) == tree
+    assert DraftShape.parse(eager.spec) == eager and not tree.eager
 
 
 @pytest.mark.parametrize("spec, needle", [
@@ -37,6 +40,7 @@ def test_parse_shapes():
     ("tree:3,2", "expected tree:DEPTH,TOPK,NODES"),
     ("tree:2,2,7", "nodes ≤ topk + (depth-1)·topk² = 6"),
     ("ngram:3,0", "expected ngram:K[,N]"),
+    ("chain:3@fast", "the only suffix is @eager"),
 ])
 def test_parse_errors_say_what_is_expected(spec, needle):
     with pytest.raises(HstapError) as info:
