@@ -1,0 +1,107 @@
+"""Where a speculative-decoding cycle's time goes on the device: kernels per cycle, the device's busy share and its
+idle gaps, per method, from torch.profiler's kernel timeline over a few MT-bench prompts (batch 1, CUDA graphs).
+
+    python bench/spec_profile.py --drafter runs/gpu/drafter --prompts 4 --shapes chain:3 chain:3@eager tree:8,8,60
+
+bench/spec_decode.py splits a cycle into drafting, verification and "between" with CUDA events; this says what
+fills each: how many kernels a cycle launches (a graph replay still pays a few µs per kernel on a model this
+small), how much of the wall time the device computes at all, and how the idle time is spread (many small
+launch gaps, or a few long waits for the host). Each method runs once untimed first (its graphs are captured
+then); the profiled run follows. Prints one table; `--json` adds a line per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from hstap.config import torch_dtype
+from hstap.evaluate.run import load_drafter, load_prompts
+from hstap.evaluate.spec import Methods
+from hstap.models import load_target
+from hstap.runtime.shapes import DraftShape
+
+
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) in µs of every device kernel and memory operation the profiler saw, sorted by start."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CUDA:
+            out.append((e.start_ns() / 1e3, e.end_ns() / 1e3))
+    return sorted(out)
+
+
+def timeline(intervals: list[tuple[float, float]]) -> dict:
+    """Busy time (the union of the intervals), span, and the idle gaps between busy stretches, all in µs."""
+    busy, gaps, end = 0.0, [], None
+    for start, stop in intervals:
+        if end is None or start > end:
+            if end is not None:
+                gaps.append(start - end)
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    return {"kernels": len(intervals), "busy_us": busy, "span_us": span, "gaps": gaps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", type=Path)
+    ap.add_argument("--prompts", type=int, default=4, help="MT-bench first turns profiled per method")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "chain:3@eager", "tree:8,8,60"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("spec_profile: needs a CUDA device (it reads the device's kernel timeline)")
+    target = load_target("smollm2", device="cuda", dtype=torch_dtype(args.dtype))
+    shapes = [DraftShape.parse(s) for s in args.shapes]
+    drafter = load_drafter(args.drafter, target) if any(s.uses_drafter for s in shapes) else None
+    prompts = load_prompts("mt-bench", target.tokenizer, args.prompts)
+    longest = max(len(p.ids) for p in prompts) + args.max_new_tokens
+    methods = Methods(target.model, drafter, 1, longest, shapes)
+    stops = set(target.stop_ids)
+    print(f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} new tokens, batch 1, {args.dtype}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| method | cycles | ms per cycle | kernels per cycle | device busy | idle gaps per cycle | median gap µs "
+          "| gaps ≥ 50 µs: count, µs per cycle |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for shape in [None, *shapes]:
+        name = "vanilla" if shape is None else shape.spec
+        for p in prompts:  # untimed: graphs captured, kernels compiled
+            methods.run(shape, [p.ids], 8, stops)
+        torch.cuda.synchronize()
+        cycles = 0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for p in prompts:
+                gen = methods.run(shape, [p.ids], args.max_new_tokens, stops)[0]
+                cycles += gen.verify_forwards
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        t = timeline(kernel_intervals(prof))
+        gaps = sorted(t["gaps"])
+        long = [g for g in gaps if g >= 50]
+        row = {"method": name, "cycles": cycles, "ms_per_cycle": 1000 * wall / max(cycles, 1),
+               "kernels_per_cycle": t["kernels"] / max(cycles, 1), "busy": t["busy_us"] / max(t["span_us"], 1),
+               "gaps_per_cycle": len(gaps) / max(cycles, 1), "median_gap_us": gaps[len(gaps) // 2] if gaps else 0,
+               "long_gaps": len(long), "long_gap_us_per_cycle": sum(long) / max(cycles, 1)}
+        print(f"| {name} | {cycles} | {row['ms_per_cycle']:.2f} | {row['kernels_per_cycle']:.0f} | "
+              f"{100 * row['busy']:.0f} % | {row['gaps_per_cycle']:.0f} | {row['median_gap_us']:.1f} | "
+              f"{len(long)}, {row['long_gap_us_per_cycle']:.0f} |", flush=True)
+        if args.json:
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
