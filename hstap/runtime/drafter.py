@@ -9,29 +9,23 @@ position t (hidden h_t, token t+1) lives in the same column as t's keys in the t
     lean = LeanDrafter(drafter)
     hidden, logits = lean.forward(ids, lean.project(aux), positions, kv, cols, mask)     # (B, Q, H), (B, Q, Vd)
 
-Inside a body a CUDA graph captures (`with lean.captured():`), the forward runs through torch.compile
+Inside a body a CUDA graph captures (`hstap.runtime.graphs.graph_body`), the forward runs through torch.compile
 (`fused=True`, the default on CUDA): a graph replays whatever kernels its body launched, so fusing the step's
 norms, rotary, residuals and gate cuts the launches a replay pays for (a chain:3 cycle's drafting was 0.46 ms for
 three ~25-kernel forwards on an H200, 2026-12-02). Shapes are fixed inside graphs, so it compiles once per block
 shape, during the capture's warm-up; a compile that fails turns it off for the drafter, with one line on stderr,
-and the eager forward runs. Outside `captured()` (prefill, sampled cycles, a CPU) the forward is always eager.
+and the eager forward runs. Outside graph bodies (prefill, sampled cycles, a CPU) the forward is always eager.
 """
 
 from __future__ import annotations
-
-import sys
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter, draft_to_target_ids
 from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotate
+from hstap.runtime.graphs import InCapture
 from hstap.runtime.kv import KVCache
-
-
-COMPILE_BACKEND = "inductor"  # tests compile on a CPU with "aot_eager"
 
 
 class LeanDrafter:
@@ -57,22 +51,16 @@ class LeanDrafter:
         self.inv_freq = drafter.rotary.inv_freq
         self.target_ids = draft_to_target_ids(drafter.d2t).to(self.embed.device)  # (Vd,)
         use = self.embed.device.type == "cuda" if fused is None else fused
-        self._compiled = torch.compile(self._forward, dynamic=False, backend=COMPILE_BACKEND) if use else None
-        self._in_capture = False
-        self.fused_failure = ""  # why the compiled forward was turned off ('' when it was not)
-
-    @contextmanager
-    def captured(self) -> Iterator[None]:
-        """Forwards in this block take the compiled path (graph bodies: their shapes never change)."""
-        self._in_capture = True
-        try:
-            yield
-        finally:
-            self._in_capture = False
+        self._step = InCapture(self._forward, use, "the drafter's fused step")
 
     @property
     def fused(self) -> bool:
-        return self._compiled is not None
+        """Whether graph bodies run the compiled step (False once compiling failed: `fused_failure` says why)."""
+        return self._step.compiled is not None
+
+    @property
+    def fused_failure(self) -> str:
+        return self._step.failure
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,16 +75,8 @@ class LeanDrafter:
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 cols: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_forward`, compiled inside `captured()` when this drafter fuses."""
-        if self._in_capture and self._compiled is not None:
-            try:
-                return self._compiled(ids, hidden, positions, kv, cols, mask)
-            except Exception as e:  # noqa: BLE001 — a compiler failure must not end a decode: say so, go eager
-                self.fused_failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                self._compiled = None
-                print(f"hstap: the drafter's fused step failed ({self.fused_failure}); continuing eagerly",
-                      file=sys.stderr)
-        return self._forward(ids, hidden, positions, kv, cols, mask)
+        """`_forward`, compiled inside graph bodies when this drafter fuses."""
+        return self._step(ids, hidden, positions, kv, cols, mask)
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                  cols: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,14 +8,57 @@ host (or a previous graph) left there; anything one graph hands to another goes 
 why several graphs can share one memory pool. Capturing first runs the body for real on a side stream (lazy
 initialisations, cuBLAS workspaces, SDPA's kernel choice); `state` lists the tensors that run would change and
 that must read as before afterwards (write positions, roots): they are saved and restored around the capture.
+
+A replay pays for every kernel its body launched, so a body's small functions can run compiled (`InCapture`:
+torch.compile with fixed shapes — a body's shapes never change — inside `with graph_body():`, eager elsewhere).
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
+
+COMPILE_BACKEND = "inductor"  # tests compile on a CPU with "aot_eager"
+RECOMPILE_LIMIT = 64
+_in_body = [False]
+
+
+@contextmanager
+def graph_body() -> Iterator[None]:
+    """The code a CUDA graph captures (its warm-up runs and the capture): `InCapture` functions run compiled."""
+    outer, _in_body[0] = _in_body[0], True
+    try:
+        yield
+    finally:
+        _in_body[0] = outer
+
+
+class InCapture:
+    """`fn` through torch.compile (dynamic=False) inside `graph_body()`, plain `fn` outside it (prefill, sampled
+    cycles: shapes that change every call). It compiles once per shape, during a capture's warm-up; a compile
+    that fails turns it off for good, with one line on stderr naming `what`, and `fn` runs instead."""
+
+    def __init__(self, fn: Callable, fused: bool, what: str):
+        self.fn, self.what, self.failure = fn, what, ""
+        self.compiled = torch.compile(fn, dynamic=False, backend=COMPILE_BACKEND) if fused else None
+        if fused:  # one compile per (shape, decoder): an evaluation's shapes would pass dynamo's default of 8 per
+            # function and silently run eager after that
+            limits = torch._dynamo.config
+            limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
+
+    def __call__(self, *args):
+        if _in_body[0] and self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 — a compiler failure must not end a decode: say so, go eager
+                self.failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                self.compiled = None
+                print(f"hstap: {self.what} failed to compile ({self.failure}); continuing eagerly", file=sys.stderr)
+        return self.fn(*args)
 
 
 class Graphed:

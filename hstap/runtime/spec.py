@@ -28,7 +28,7 @@ from hstap.runtime.accept import greedy_accept, sampled_accept
 from hstap.runtime.decode import left_pad
 from hstap.runtime.draft import Block, Drafts, draft_chain, draft_ngram, draft_tree, extend
 from hstap.runtime.drafter import LeanDrafter
-from hstap.runtime.graphs import StageClock
+from hstap.runtime.graphs import InCapture, StageClock, graph_body
 from hstap.runtime.kv import ancestors, block_columns, with_root
 from hstap.runtime.sampling import sample, target_probs
 from hstap.runtime.shapes import DraftShape
@@ -86,7 +86,9 @@ class SpecDecoder:
 
             raise HstapError(f"draft shape {shape.spec} needs a drafter (ngram:K does not)")
         self.rt, self.shape, self.propose = runtime, shape, propose
-        self.lean = LeanDrafter(drafter, fused=False if shape.eager else None) if shape.uses_drafter else None
+        fused = runtime.device.type == "cuda" and not shape.eager
+        self.lean = LeanDrafter(drafter, fused=fused) if shape.uses_drafter else None
+        self.lookup = InCapture(draft_ngram, fused, "prompt lookup's fused draft")  # ~30 small kernels eagerly
         self.aux_layers = list(drafter.config.aux_layer_ids) if self.lean else []
         self.depth, self.nodes = shape.depth, shape.nodes
         self.reserve = self.reservation(shape)
@@ -178,10 +180,8 @@ class SpecDecoder:
             i += 1
 
     def _captured_draft(self, st: _State, slot: Slot) -> None:
-        """The drafting graph's body: the drafter's forwards take its fused path (fixed shapes)."""
-        if self.lean is None:
-            return self._draft(st, slot)
-        with self.lean.captured():
+        """The drafting graph's body: the drafter's step and prompt lookup take their compiled forms."""
+        with graph_body():
             self._draft(st, slot)
 
     def _absorb(self, packed: list[list[int]], results: list[SpecRow], max_new: int, stops: set[int]) -> None:
@@ -258,12 +258,12 @@ class SpecDecoder:
         if self.propose is not None:
             self.propose(self, st, slot)
         elif kind == "ngram":
-            draft_ngram(st.history, slot, st.block, self.shape.match)
+            self.lookup(st.history, slot, st.block, self.shape.match)
         elif kind == "chain":
             draft_chain(self.lean, st.drafts, slot, st.block, temps, generator)
         elif kind == "hybrid":  # both drafts on the device, a per-row choice: no host sync, graph-capturable
             draft_chain(self.lean, st.drafts, slot, st.block, temps, generator)
-            copying = draft_ngram(st.history, slot, st.lookup, self.shape.match) >= self.shape.match  # (B,)
+            copying = self.lookup(st.history, slot, st.lookup, self.shape.match) >= self.shape.match  # (B,)
             st.block.tokens.copy_(torch.where(copying[:, None], st.lookup.tokens, st.block.tokens))
         else:
             scale = None if temps is None else temps.clamp_min(1e-5).where(temps > 0, 1.0)[:, None]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstap.runtime import drafter as lean_drafter
-from hstap.runtime.draft import Block, draft_chain, draft_tree
+from hstap.runtime import graphs
+from hstap.runtime.draft import Block, draft_chain, draft_ngram, draft_tree
 from hstap.runtime.drafter import LeanDrafter
+from hstap.runtime.graphs import InCapture, graph_body
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder
 from hstap.runtime.target import Runtime
@@ -20,7 +21,7 @@ ATOL = dict(atol=1e-5, rtol=1e-5)
 
 @pytest.fixture
 def aot_eager(monkeypatch):
-    monkeypatch.setattr(lean_drafter, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
 
 
 @torch.no_grad()
@@ -34,7 +35,7 @@ def test_fused_drafting_equals_eager_drafting(aot_eager, kind):
         drafts, slot = _prefilled(lean, aux, ids)
         block = Block.chain(2, 3, torch.device("cpu")) if kind == "chain" else Block(
             *(torch.zeros(2, 10, dtype=torch.long) for _ in range(3)), scores=torch.zeros(2, 10))
-        with lean.captured():
+        with graph_body():
             if kind == "chain":
                 draft_chain(lean, drafts, slot, block)
             else:
@@ -51,12 +52,12 @@ def test_fused_drafting_equals_eager_drafting(aot_eager, kind):
 def test_the_fused_path_is_taken_only_inside_captured(aot_eager, monkeypatch):
     lean = LeanDrafter(tiny_drafter(), fused=True)
     calls = []
-    compiled = lean._compiled
-    monkeypatch.setattr(lean, "_compiled", lambda *a: calls.append(1) or compiled(*a))
+    compiled = lean._step.compiled
+    monkeypatch.setattr(lean._step, "compiled", lambda *a: calls.append(1) or compiled(*a))
     with torch.no_grad():
         drafts, slot = _prefilled(lean, torch.randn(1, 5, 96), torch.randint(0, 50, (1, 5)))
-        assert calls == []  # prefill's extend: eager (its width changes with every prompt)
-        with lean.captured():
+        assert calls == []  # prefill's extend, outside graph bodies: eager (its width changes with every prompt)
+        with graph_body():
             draft_chain(lean, drafts, slot, Block.chain(1, 3, torch.device("cpu")))
     assert len(calls) == 2  # the chain's two drafter steps after the root's
 
@@ -67,7 +68,7 @@ def test_a_failing_compile_falls_back_to_the_eager_step_once(monkeypatch, capsys
     def broken(*args):
         raise RuntimeError("inductor said no\nmore")
 
-    monkeypatch.setattr(lean, "_compiled", broken)
+    monkeypatch.setattr(lean._step, "compiled", broken)
     reference = LeanDrafter(tiny_drafter(), fused=False)
     aux, ids = torch.randn(1, 5, 96), torch.randint(0, 50, (1, 5))
     with torch.no_grad():
@@ -75,13 +76,13 @@ def test_a_failing_compile_falls_back_to_the_eager_step_once(monkeypatch, capsys
         for lean_ in (lean, reference):
             drafts, slot = _prefilled(lean_, aux, ids)
             block = Block.chain(1, 3, torch.device("cpu"))
-            with lean_.captured():
+            with graph_body():
                 draft_chain(lean_, drafts, slot, block)
             out.append(block.tokens)
     assert torch.equal(out[0], out[1])
     assert not lean.fused and lean.fused_failure == "RuntimeError: inductor said no"
-    assert capsys.readouterr().err.strip() == ("hstap: the drafter's fused step failed (RuntimeError: inductor said "
-                                               "no); continuing eagerly")
+    assert capsys.readouterr().err.strip() == ("hstap: the drafter's fused step failed to compile (RuntimeError: "
+                                               "inductor said no); continuing eagerly")
 
 
 def test_greedy_decoding_with_the_fused_drafter_equals_plain_decoding(aot_eager, target, drafter, prompts,
@@ -96,7 +97,33 @@ def test_greedy_decoding_with_the_fused_drafter_equals_plain_decoding(aot_eager,
     assert dec.lean.fused and dec.lean.fused_failure == ""
 
 
+def test_fused_prompt_lookup_equals_eager_lookup(aot_eager):
+    """Prompt lookup through InCapture inside a graph body drafts what the eager function drafts, on a history
+    with repeats (matches of length 3, 2 and 1, and none)."""
+    from tests.runtime.conftest import fake_slot
+
+    history = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 0, 0, 0, 0, 0],
+                            [1, 2, 3, 4, 1, 2, 9, 9, 9, 2, 0, 0, 0, 0, 0, 0],
+                            [3, 3, 4, 5, 6, 7, 8, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+    slot = fake_slot([0, 0, 1], [10, 9, 7], length=16)
+    lookup = InCapture(draft_ngram, True, "prompt lookup")
+    out = []
+    for fn, body in ((draft_ngram, False), (lookup, True)):
+        block = Block.chain(3, 4, torch.device("cpu"))
+        if body:
+            with graph_body():
+                matched = fn(history, slot, block, 3)
+        else:
+            matched = fn(history, slot, block, 3)
+        out.append((block.tokens.clone(), matched))
+    assert lookup.compiled is not None and lookup.failure == ""
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert out[0][1].tolist()[0] == 3  # row 0's last three tokens recur
+
+
 def test_the_eager_suffix_keeps_the_drafter_unfused(drafter, target):
     runtime = Runtime(target.model, batch_size=1, max_len=256)
     assert not SpecDecoder(runtime, DraftShape.parse("chain:3@eager"), drafter).lean.fused
-    assert SpecDecoder(runtime, DraftShape.parse("chain:3"), drafter).lean.fused is (target.model.device.type == "cuda")
+    cuda = target.model.device.type == "cuda"
+    dec = SpecDecoder(runtime, DraftShape.parse("chain:3"), drafter)
+    assert dec.lean.fused is cuda and (dec.lookup.compiled is not None) is cuda
