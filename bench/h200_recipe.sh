@@ -30,8 +30,9 @@
 #    AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
 # PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on
-#    2026-12-02 it came last and the session's device time ran out before it), and after MT-bench the decoding
-#    cycles' device timeline (bench/spec_profile.py: kernels per cycle, busy share, idle gaps).
+#    2026-12-02 it came last and the session's device time ran out before it).
+# SPEC_PROFILE=1: R4 ends with the decoding cycles' device timeline (bench/spec_profile.py: kernels per cycle,
+#    busy share, idle gaps), fused and @eager drafting side by side.
 # THROUGHPUT=1: first, while the assets arrive, bench/train_throughput.py on the SmolLM2 (32 x 2,048) and 8B
 #    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
@@ -180,7 +181,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
-  if [ -n "${PROFILE:-}" ]; then  # what fills a decoding cycle on the device: kernels, busy share, idle gaps
+  if [ -n "${SPEC_PROFILE:-}" ]; then  # what fills a decoding cycle on the device: kernels, busy share, idle gaps
     step r4_spec_profile $PY bench/spec_profile.py --drafter "$RUN/drafter" --prompts 4 --json \
       --shapes ngram:3 chain:3 chain:3@eager hybrid:4,2 tree:8,8,60 tree:8,8,60@eager
   fi

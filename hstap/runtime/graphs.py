@@ -51,6 +51,8 @@ class InCapture:
             limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
 
     def __call__(self, *args):
+        if torch.compiler.is_compiling():  # inside a larger compiled body: let its trace inline the plain function
+            return self.fn(*args)
         if _in_body[0] and self.compiled is not None:
             try:
                 return self.compiled(*args)

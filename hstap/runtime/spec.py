@@ -77,18 +77,24 @@ class _State:
 
 class SpecDecoder:
     """One draft shape on a `Runtime`. `propose(decoder, state, slot)`, when given, replaces the drafter's
-    proposal (tests plant oracle drafts with it; eager only)."""
+    proposal (tests plant oracle drafts with it; eager only). `fused` (default: on CUDA, off for `@eager`
+    shapes): the drafting graph's body runs compiled (`hstap.runtime.graphs.InCapture`)."""
 
     def __init__(self, runtime: Runtime, shape: DraftShape, drafter: Eagle3Drafter | None = None,
-                 propose: Callable | None = None):
+                 propose: Callable | None = None, fused: bool | None = None):
         if shape.uses_drafter and drafter is None:
             from hstap.errors import HstapError
 
             raise HstapError(f"draft shape {shape.spec} needs a drafter (ngram:K does not)")
         self.rt, self.shape, self.propose = runtime, shape, propose
-        fused = runtime.device.type == "cuda" and not shape.eager
+        if fused is None:  # graph bodies compiled on CUDA, unless the shape asks for the plain kernels
+            fused = runtime.device.type == "cuda" and not shape.eager
         self.lean = LeanDrafter(drafter, fused=fused) if shape.uses_drafter else None
+        # the drafting graph's body compiled whole (the drafter's steps, the tree's top-k expansion and rerank,
+        # prompt lookup: hundreds of small kernels eagerly); should that fail, its parts still compile alone
+        self.drafting = InCapture(self._draft, fused and propose is None, "the fused drafting step")
         self.lookup = InCapture(draft_ngram, fused, "prompt lookup's fused draft")  # ~30 small kernels eagerly
+        self.accepting = InCapture(self._accept_greedy, fused, "the fused acceptance")
         self.aux_layers = list(drafter.config.aux_layer_ids) if self.lean else []
         self.depth, self.nodes = shape.depth, shape.nodes
         self.reserve = self.reservation(shape)
@@ -182,7 +188,7 @@ class SpecDecoder:
     def _captured_draft(self, st: _State, slot: Slot) -> None:
         """The drafting graph's body: the drafter's step and prompt lookup take their compiled forms."""
         with graph_body():
-            self._draft(st, slot)
+            self.drafting(st, slot)
 
     def _absorb(self, packed: list[list[int]], results: list[SpecRow], max_new: int, stops: set[int]) -> None:
         for row, values in zip(results, packed):
@@ -281,7 +287,13 @@ class SpecDecoder:
         return self.rt.block(slot, tokens, depths, tree, self.aux_layers)
 
     def _verify_greedy(self, st: _State, slot: Slot) -> None:
+        """The verification graph's body: the target's forward (its own kernels), then acceptance and the
+        commit, compiled together inside graph bodies (~30 small kernels eagerly)."""
         logits, aux = self._verify(st, slot)
+        with graph_body():
+            self.accepting(st, slot, logits, aux)
+
+    def _accept_greedy(self, st: _State, slot: Slot, logits: torch.Tensor, aux: torch.Tensor | None) -> None:
         count, path, bonus = greedy_accept(st.block.tokens, st.block.parents, self.depth, logits.argmax(-1))
         self._commit(st, slot, count, path, bonus, aux)
 

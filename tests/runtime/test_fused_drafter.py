@@ -85,16 +85,17 @@ def test_a_failing_compile_falls_back_to_the_eager_step_once(monkeypatch, capsys
                                                "inductor said no); continuing eagerly")
 
 
-def test_greedy_decoding_with_the_fused_drafter_equals_plain_decoding(aot_eager, target, drafter, prompts,
-                                                                    references):
-    """The graph path's rehearsal (warm-ups with the state restored, full-width attention) with the drafter's
-    fused step inside the drafting body: the answer is greedy decoding's, and the fused step really ran."""
+def test_greedy_decoding_with_fused_drafting_equals_plain_decoding(aot_eager, target, drafter, prompts, references):
+    """The graph path's rehearsal (warm-ups with the state restored, full-width attention) with the drafting body
+    compiled whole and the acceptance after the target's forward compiled, for a chain, a tree and a hybrid: the
+    answer is greedy decoding's, and no compile failed."""
     runtime = Runtime(target.model, batch_size=2, max_len=2048, rehearse=True)
-    dec = SpecDecoder(runtime, DraftShape.parse("chain:3"), drafter)
-    dec.lean = LeanDrafter(drafter, fused=True)
-    rows = dec.generate(prompts[:2], 10, set(target.stop_ids), target.tokenizer.pad_token_id)
-    assert [r.tokens for r in rows] == [ref[:10] for ref in references[:2]]
-    assert dec.lean.fused and dec.lean.fused_failure == ""
+    for shape in ("chain:3", "tree:3,2,5", "hybrid:3,2"):
+        dec = SpecDecoder(runtime, DraftShape.parse(shape), drafter, fused=True)
+        rows = dec.generate(prompts[:2], 10, set(target.stop_ids), target.tokenizer.pad_token_id)
+        assert [r.tokens for r in rows] == [ref[:10] for ref in references[:2]], shape
+        for part in (dec.drafting, dec.accepting):
+            assert part.compiled is not None and part.failure == "", part.failure
 
 
 def test_fused_prompt_lookup_equals_eager_lookup(aot_eager):
