@@ -173,9 +173,12 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   # R4: MT-bench (spec_decode.py's default shapes; batch 1), the one-third drafter beside it on GPU 1
   # the default shapes, and chain 3 and the big tree again with the drafter's steps unfused (@eager): the A/B of
   # the fused drafter step (issue 17), side by side in one run
+  # (should the compiled bodies break the run, it runs again without them)
+  local SHAPES="ngram:3 chain:3 chain:3@eager hybrid:4,2 tree:4,4,16 tree:8,8,60 tree:8,8,60@eager"
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
-    --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes ngram:3 chain:3 chain:3@eager hybrid:4,2 \
-    tree:4,4,16 tree:8,8,60 tree:8,8,60@eager
+    --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES \
+    || step r4_spec_b1_unfused $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
+      --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES --eager-drafting
   if [ "$NGPU" -gt 1 ]; then
     step r4_spec_third env CUDA_VISIBLE_DEVICES=1 $PY bench/spec_decode.py --drafter "$RUN/drafter_third" \
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"

@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "hybrid:4,2", "tree:4,4,16", "tree:8,8,60"])
     ap.add_argument("--no-cuda-graphs", action="store_true", help="the same code, eagerly (for comparison)")
+    ap.add_argument("--eager-drafting", action="store_true",
+                    help="no compiled graph bodies for any shape (as if every shape had @eager)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.table:
@@ -176,7 +178,8 @@ def main() -> None:
     for batch in [int(b) for b in args.batch.split(",")]:
         t0 = time.perf_counter()
         evaluate_shapes(target.model, drafter, prompts, shapes, args.max_new_tokens, set(target.stop_ids),
-                        on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs)
+                        on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs,
+                        fused=False if args.eager_drafting else None)
         print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

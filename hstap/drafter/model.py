@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hstap.drafter import fused
+import hstap.drafter.fused as fused
 from hstap.drafter.config import DrafterConfig
 
 # (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)

@@ -60,19 +60,19 @@ class Methods:
     """Vanilla decoding and speculative decoders of any shape over one runtime (one set of graphs per shape)."""
 
     def __init__(self, model: torch.nn.Module, drafter: Eagle3Drafter | None, batch_size: int, max_len: int,
-                 shapes: list[DraftShape] = (), cuda_graphs: bool | None = None):
+                 shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None):
         # one cache length for the whole run (prompt + answer + the largest shape's draft columns): every batch
         # replays the same graphs
         reserve = max([SpecDecoder.reservation(s) for s in shapes], default=0)
         length = -(-(max_len + reserve) // LEN_BUCKET) * LEN_BUCKET
         self.runtime = Runtime(model, batch_size, max_len, cuda_graphs, len_bucket=length, max_slots=1)
-        self.drafter = drafter
+        self.drafter, self.fused = drafter, fused  # fused: compiled graph bodies (SpecDecoder; default on CUDA)
         self.decoders: dict[str, SpecDecoder] = {}
         self.pad_id = 0
 
     def decoder(self, shape: DraftShape) -> SpecDecoder:
         if shape.spec not in self.decoders:
-            self.decoders[shape.spec] = SpecDecoder(self.runtime, shape, self.drafter)
+            self.decoders[shape.spec] = SpecDecoder(self.runtime, shape, self.drafter, fused=self.fused)
         return self.decoders[shape.spec]
 
     def run(self, shape: DraftShape | None, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],

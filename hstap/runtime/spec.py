@@ -87,8 +87,8 @@ class SpecDecoder:
 
             raise HstapError(f"draft shape {shape.spec} needs a drafter (ngram:K does not)")
         self.rt, self.shape, self.propose = runtime, shape, propose
-        if fused is None:  # graph bodies compiled on CUDA, unless the shape asks for the plain kernels
-            fused = runtime.device.type == "cuda" and not shape.eager
+        # graph bodies compiled (default: on CUDA), unless the shape asks for the plain kernels
+        fused = (runtime.device.type == "cuda" if fused is None else fused) and not shape.eager
         self.lean = LeanDrafter(drafter, fused=fused) if shape.uses_drafter else None
         # the drafting graph's body compiled whole (the drafter's steps, the tree's top-k expansion and rerank,
         # prompt lookup: hundreds of small kernels eagerly); should that fail, its parts still compile alone

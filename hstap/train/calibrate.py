@@ -69,7 +69,8 @@ def calibrate(target, drafter, prompts: list[Prompt], chain: int, max_new_tokens
     # a copy in the target's dtype, as `hstap eval` loads a drafter (bf16 on a GPU): the τ a user will measure
     serving = copy.deepcopy(drafter).to(dtype=target.model.dtype).eval()
     longest = max(len(p.ids) for p in prompts) + max_new_tokens
-    methods = Methods(target.model, serving, len(prompts), longest, [shape])
+    # unfused: τ does not depend on kernels, and a compile per calibration would come out of the training budget
+    methods = Methods(target.model, serving, len(prompts), longest, [shape], fused=False)
     generations = methods.run(shape, [p.ids for p in prompts], max_new_tokens, set(target.stop_ids))
     method = MethodResult(shape.spec, shape, generations)
     estimate = float(tau_est.get(chain, tau_est.get(str(chain), math.nan)))
