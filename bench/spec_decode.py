@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--drafter", type=Path)
     ap.add_argument("--table", type=Path, help="print the tables of an existing log and exit")
     ap.add_argument("--limit", type=int, default=80, help="MT-bench questions")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N of them (finish a run cut short)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on a CPU")
     ap.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8)")
@@ -172,7 +173,7 @@ def main() -> None:
     started = time.perf_counter()
     target = load_target("smollm2", device=args.device, dtype=torch_dtype(args.dtype) if args.dtype else None)
     drafter = load_drafter(args.drafter, target) if args.drafter else None
-    prompts = load_prompts("mt-bench", target.tokenizer, args.limit)
+    prompts = load_prompts("mt-bench", target.tokenizer, args.limit)[args.skip:]
     log = args.log or (args.drafter or Path(".")) / "bench.jsonl"
     log.write_text("")
     for batch in [int(b) for b in args.batch.split(",")]:

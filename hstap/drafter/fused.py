@@ -73,20 +73,22 @@ def _turn_off(why: str) -> None:
 
 
 def _sample_inputs(device: torch.device) -> dict[str, tuple]:
-    """Small inputs of the training step's dtypes (bf16 activations, fp32 weights), grads on every float."""
+    """Small fp32 inputs, grads on every tensor. fp32, not the training step's bf16: a fused kernel keeps its
+    intermediates in fp32 where eager rounds each to bf16 (on an H200, 2026-12-02, bf16 outputs differed by more
+    than two bf16 steps), and the check is for miscompiles, not for that rounding."""
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device=device).to(dtype).requires_grad_()
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device).requires_grad_()
 
-    return {"rms_norm": (rand(3, 5, 64), rand(64, dtype=torch.float32), 1e-5),
+    return {"rms_norm": (rand(3, 5, 64), rand(64), 1e-5),
             "rope": (rand(2, 3, 5, 16), rand(2, 5, 16), rand(2, 5, 16)),
             "silu_mul": (rand(3, 5, 96), rand(3, 5, 96))}
 
 
 def check(device: torch.device) -> bool:
-    """Compile the chains and hold their forward and gradients to the eager ones on `device` (bf16: a rounding
-    step or two apart). False, with the fused path off, when any of that fails."""
+    """Compile the chains and hold their forward and gradients to the eager ones on `device`, in fp32. False,
+    with the fused path off, when any of that fails."""
     _state["checked"] = True
     try:
         with torch.inference_mode(False), torch.enable_grad():
@@ -99,7 +101,7 @@ def check(device: torch.device) -> bool:
                 got = _compiled[name](*args)
                 got_grads = torch.autograd.grad(got.float().square().sum(), floats)
                 for a, b in zip((got, *got_grads), (want, *want_grads)):
-                    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go eager
         _turn_off(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         return False
