@@ -5,7 +5,9 @@
 1. synth   — SmolLM2 regenerates the answers to short ShareGPT prompts (greedy, its own distribution)
 2. capture — prefill those conversations with the tap on → a store
 3. train   — the EAGLE-3 drafter from the store (training-time test, held-out τ estimate)
-4. eval    — speculative decoding on MT-bench against vanilla decoding, same backend, same run: τ and speedup
+4. eval    — speculative decoding on MT-bench against vanilla decoding, same backend, same run: τ and speedup;
+             then the GPU recipe's drafter that ships in the package (smollm2-recipe) on the same questions, with
+             this machine's break-even τ (τ / speedup: below it a shape does not pay here)
 5. export  — an SGLang/vLLM-loadable EAGLE-3 draft checkpoint
 Each stage resumes or reuses what an earlier run of the same preset left in `--out`; `--stages` picks a subset.
 The gpu preset trains online (stage 2 skipped) within a fixed time budget.
@@ -44,6 +46,8 @@ class Preset:
     train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
     calib_prompts: int = 0  # held-out prompts decoded at every evaluation to measure τ (seconds each on a GPU)
     calib_tokens: int = 64
+    shipped: str | None = "smollm2-recipe"  # evaluated beside the demo's drafter: what the GPU recipe buys
+    shipped_shapes: tuple = ("chain:3", "hybrid:4,2")
 
 
 PRESETS = {
@@ -116,7 +120,7 @@ def short_prompts(out: Path, count: int, max_chars: int) -> tuple[Path, int]:
 def run(cfg: DemoConfig) -> int:
     from hstap.capture.config import CaptureConfig
     from hstap.capture.run import run_capture
-    from hstap.evaluate.config import EvalConfig
+    from hstap.evaluate.config import EvalConfig, shape_fields
     from hstap.evaluate.run import run_eval
     from hstap.export.write import export_drafter
     from hstap.synth.config import SynthConfig
@@ -136,7 +140,7 @@ def run(cfg: DemoConfig) -> int:
 
     prompts, n = short_prompts(out, p.prompts, p.prompt_chars)
     synth_out, store, drafter = out / "synth.jsonl", out / "store", out / "drafter"
-    trained = evaluated = exported = None
+    trained = evaluated = shipped = exported = None
     if "synth" in stages:
         stage("synth")
         synth = run_synth(SynthConfig(model="smollm2", data=f"jsonl:{prompts}", out=synth_out,
@@ -170,6 +174,12 @@ def run(cfg: DemoConfig) -> int:
         evaluated = run_eval(EvalConfig(drafter=drafter, bench="mt-bench", limit=p.eval_questions, **p.shapes,
                                         max_new_tokens=p.eval_new_tokens, device=p.device))
         print(evaluated.summary())
+        if p.shipped:
+            print(f"\nthe GPU recipe's drafter ({p.shipped}, shipped in the package) on the same questions:")
+            shipped = run_eval(EvalConfig(drafter=p.shipped, bench="mt-bench", limit=p.eval_questions,
+                                          **shape_fields(list(p.shipped_shapes)), max_new_tokens=p.eval_new_tokens,
+                                          device=p.device, out=out / "eval-shipped"))
+            print(shipped.summary())
         done("eval")
 
     if "export" in stages:
@@ -177,11 +187,11 @@ def run(cfg: DemoConfig) -> int:
         exported = export_drafter(drafter, "sglang", out / "export-sglang", force=True)
         done("export")
 
-    _final_table(p, n, trained, evaluated, exported, timings, out)
+    _final_table(p, n, trained, evaluated, shipped, exported, timings, out)
     return 0
 
 
-def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path | None, timings: dict,
+def _final_table(p: Preset, prompts: int, trained, evaluated, shipped, exported: Path | None, timings: dict,
                  out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -199,6 +209,11 @@ def _final_table(p: Preset, prompts: int, trained, evaluated, exported: Path | N
         table.add_row(f"speedup, {m.shape.label}",
                       f"{evaluated.speedup(m):.2f}× ({m.tokens_per_second:.1f} vs "
                       f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla)", "")
+    for m in shipped.methods if shipped else []:
+        speedup = shipped.speedup(m)
+        table.add_row(f"GPU recipe's drafter, {m.shape.spec}",
+                      f"τ {m.tau:.2f}, {speedup:.2f}× (break-even τ here {m.tau / speedup:.2f})",
+                      str(shipped.files[0].parent / "report.md"))
     if trained:
         table.add_row("drafter", f"{trained.steps} steps, {trained.train_tokens} tokens", str(trained.out))
     if exported:

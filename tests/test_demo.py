@@ -25,6 +25,10 @@ def test_demo_smoke_runs_every_stage(smoke_run):
     for stage in ("synth", "capture", "train", "eval", "export"):
         assert f"── {stage}" in printed
     assert "τ, " in printed and "speedup" in printed
+    # the GPU recipe's shipped drafter beside the demo's, with this machine's break-even τ
+    assert "the GPU recipe's drafter (smollm2-recipe, shipped in the package) on the same questions" in printed
+    assert "break-even" in printed
+    assert (out / "eval-shipped" / "report.md").exists()
     assert (out / "drafter" / "model.safetensors").exists()
     assert (out / "drafter" / "report.md").exists()
     assert (out / "export-sglang" / "config.json").exists()
