@@ -186,7 +186,7 @@ class SpecDecoder:
             i += 1
 
     def _captured_draft(self, st: _State, slot: Slot) -> None:
-        """The drafting graph's body: the drafter's step and prompt lookup take their compiled forms."""
+        """The drafting graph's body, compiled whole (its parts alone if that compile failed)."""
         with graph_body():
             self.drafting(st, slot)
 
