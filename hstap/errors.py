@@ -11,3 +11,9 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, message: str = "") -> None:
         super().__init__(message)
         self.signum = signum
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`: a compiler's pages-long error as the one line a fallback prints."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hstap.errors import first_line
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
@@ -92,9 +94,10 @@ def check(device: torch.device) -> bool:
     _state["checked"] = True
     try:
         with torch.inference_mode(False), torch.enable_grad():
+            samples = _sample_inputs(device)
             for name, fn in _EAGER.items():
                 _compiled[name] = torch.compile(fn, dynamic=True, backend=_config["backend"])
-                args = _sample_inputs(device)[name]
+                args = samples[name]
                 floats = [a for a in args if isinstance(a, torch.Tensor)]
                 want = fn(*args)
                 want_grads = torch.autograd.grad(want.float().square().sum(), floats)
@@ -103,7 +106,7 @@ def check(device: torch.device) -> bool:
                 for a, b in zip((got, *got_grads), (want, *want_grads)):
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go eager
-        _turn_off(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        _turn_off(first_line(e)[:300])
         return False
     return True
 
@@ -117,7 +120,7 @@ def _dispatch(name: str, *args):
     try:
         return _compiled[name](*args)
     except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: eager from now on
-        _turn_off(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        _turn_off(f"{name}: {first_line(e)}"[:300])
         return _EAGER[name](*args)
 
 

@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from hstap.errors import first_line
+
 COMPILE_BACKEND = "inductor"  # tests compile on a CPU with "aot_eager"
 RECOMPILE_LIMIT = 64
 _in_body = [False]
@@ -57,7 +59,7 @@ class InCapture:
             try:
                 return self.compiled(*args)
             except Exception as e:  # noqa: BLE001 — a compiler failure must not end a decode: say so, go eager
-                self.failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                self.failure = first_line(e)[:300]
                 self.compiled = None
                 print(f"hstap: {self.what} failed to compile ({self.failure}); continuing eagerly", file=sys.stderr)
         return self.fn(*args)

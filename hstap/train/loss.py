@@ -20,6 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from hstap.errors import first_line
+
 CHUNK_BYTES = 512 << 20  # fp32 logits per block: 4,194 positions of a 32,000-token draft vocabulary
 
 
@@ -105,7 +107,7 @@ def _compiled_block():
         try:
             return compiled(*args)
         except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go eager
-            _compiled_failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            _compiled_failed.append(first_line(e))
             print(f"hstap: the compiled head loss failed ({_compiled_failed[0]}); continuing with the eager one",
                   file=sys.stderr)
             return block_numbers_inplace(*args)
