@@ -37,6 +37,9 @@
 #    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
+# EAGER_AB=1: R4 also decodes chain 3 and the 60-node tree with the drafter's steps unfused (@eager; off by default
+#    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
+# DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
@@ -114,8 +117,10 @@ provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
   if [ "$NGPU" -gt 1 ]; then
     b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
       --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
+    wait
   fi
-  wait
+  # on one GPU the tests run on beside synth instead of holding it back (on 2026-12-02 they outlasted the prompts
+  # by 129 s); R2's wait collects them
   bundle
   # R2: synth of the shuffled set (sources are written in blocks; a time-boxed run must see all of them), split
   # over the GPUs by line parity; `hstap synth` resumes where a stopped run left off
@@ -129,7 +134,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
   synth_stats
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
-  data_out
+  [ "${DATA_BACK:-1}" = 1 ] && data_out  # DATA_BACK=0: the prompts and answers stay (17 MB nothing here keeps)
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
@@ -174,7 +179,9 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   # the default shapes, and chain 3 and the big tree again with the drafter's steps unfused (@eager): the A/B of
   # the fused drafter step (issue 17), side by side in one run
   # (should the compiled bodies break the run, it runs again without them)
-  local SHAPES="ngram:3 chain:3 chain:3@eager hybrid:4,2 tree:4,4,16 tree:8,8,60 tree:8,8,60@eager"
+  # SHAPES="..." replaces the list; EAGER_AB=1 adds the @eager arms (measured on 2026-12-02: 1.52x -> 1.70x chain)
+  local SHAPES=${SHAPES:-"ngram:3 chain:3 hybrid:4,2 tree:4,4,16 tree:8,8,60"}
+  [ -n "${EAGER_AB:-}" ] && SHAPES="$SHAPES chain:3@eager tree:8,8,60@eager"
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
     --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES \
     || step r4_spec_b1_unfused $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
