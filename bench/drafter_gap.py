@@ -6,6 +6,9 @@ training-time test (teacher-forced, the trainer's own code) on the very sequence
 If inference drafting matched training, the first draft's acceptance rate at inference is close to the teacher-
 forced step-0 top-1 on the same tokens (a little below it: drafting restarts right after a rejection, a harder
 than average position). A large gap would point at an alignment bug; agreement says the drafter is the limit.
+
+It also counts the answer tokens outside the draft vocabulary: each is a certain rejection that the teacher-forced
+top-1 (counted on in-vocabulary positions, as training counts it) does not show.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from hstap.data import RenderedSample
 from hstap.drafter import target_to_draft_ids
 from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.evaluate.spec import speculative_generate
+from hstap.metrics import acceptance_length
 from hstap.runtime.shapes import DraftShape
 from hstap.models import load_target
 from hstap.train.data import OnlineSource
@@ -38,21 +42,28 @@ def main() -> None:
     target = load_target("smollm2")
     drafter = load_drafter(args.drafter, target)
     stop = set(target.stop_ids)
-    samples, first_accepted, verifications = [], 0, 0
+    samples, first_accepted, verifications, emitted = [], 0, 0, 0
+    t2d = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
+    answer_tokens, outside = 0, 0
     for p in load_prompts(args.bench, target.tokenizer, args.limit):
         gen = speculative_generate(target.model, drafter, p.ids, DraftShape.parse(f"chain:{args.chain}"),
                                    args.max_new_tokens, stop)
         first_accepted += sum(a >= 1 for a in gen.accepted)
         verifications += len(gen.accepted)
+        emitted += sum(gen.emitted)
+        answer_tokens += len(gen.tokens)
+        outside += int((t2d[torch.tensor(gen.tokens, dtype=torch.long)] < 0).sum()) if gen.tokens else 0
         samples.append(RenderedSample(p.id, p.ids + gen.tokens, [False] * len(p.ids) + [True] * len(gen.tokens)))
     source = OnlineSource(target, samples, drafter.config.aux_layer_ids, dtype="fp32")
-    t2d = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
     with torch.no_grad():
         batch = collate(source.fetch(list(range(len(samples)))), drafter.config.aux_layer_ids)
         out = ttt_forward(drafter, batch, t2d, args.chain)
     print(f"date {datetime.date.today()}, command: python {' '.join(sys.argv)}")
     print(f"{len(samples)} prompts, {verifications} verifications")
-    print(f"inference: first draft accepted in {first_accepted / verifications:.3f} of verifications")
+    print(f"inference: first draft accepted in {first_accepted / verifications:.3f} of verifications, "
+          f"τ {acceptance_length(emitted, verifications):.2f} (chain {args.chain})")
+    print(f"answer tokens outside the {drafter.d2t.numel():,}-token draft vocabulary: {outside} of {answer_tokens} "
+          f"({100 * outside / max(answer_tokens, 1):.2f} %)")
     print("teacher-forced on the decoded sequences, top-1 per TTT step: "
           + ", ".join(f"{c / n:.3f}" for c, n in zip(out.step_correct, out.step_counted)))
 
