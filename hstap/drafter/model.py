@@ -24,6 +24,7 @@ from torch import nn
 
 import hstap.drafter.fused as fused
 from hstap.drafter.config import DrafterConfig
+from hstap.drafter.vocab import draft_to_target_ids, target_to_draft_ids
 
 # (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -127,6 +128,20 @@ class Eagle3Drafter(nn.Module):
             self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
+
+    def with_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> "Eagle3Drafter":
+        """A copy over a larger draft vocabulary (d2t, t2d) that holds every token of this one: all weights copied,
+        each trained head row moved to its token's new draft id, and each new token's row the one a freshly built
+        drafter of the new size starts from (the caller seeds torch, as it does for a fresh drafter), so the kept
+        tokens' logits are unchanged and the new ones start as training from zero would start them."""
+        moved = target_to_draft_ids(d2t, self.config.vocab_size)[draft_to_target_ids(self.d2t)]  # (Vd_old,)
+        assert bool((moved >= 0).all()), "the new draft vocabulary must hold every token of the old one"
+        grown = Eagle3Drafter(self.config.model_copy(update={"draft_vocab_size": d2t.numel()}))
+        state = self.state_dict()
+        head = grown.lm_head.weight.detach().clone()  # (Vd_new, H): a fresh head
+        head[moved] = state["lm_head.weight"].to(head)  # the trained rows, by target id
+        grown.load_state_dict({**state, "lm_head.weight": head, "d2t": d2t, "t2d": t2d})
+        return grown.to(self.lm_head.weight.device, self.lm_head.weight.dtype)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """(B, S, n_aux*H_target) concatenated target layers → (B, S, H)."""

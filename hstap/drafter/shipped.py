@@ -32,12 +32,21 @@ def shipped_names() -> list[str]:
 def resolve_drafter(spec: Path | str, flag: str = "--drafter") -> Path:
     """A drafter directory as given, or the unpacked directory of the shipped drafter named `spec`."""
     path = Path(spec)
-    if path.exists():
-        return path
+    return path if path.exists() else unpack(_shipped(spec, flag))
+
+
+def drafter_config_path(spec: Path | str, flag: str = "--drafter") -> Path:
+    """The config.json of the drafter `spec` names, a shipped one's read where it ships: its size is known (for
+    `--plan`, before anything loads) without unpacking its weights."""
+    path = Path(spec)
+    return (path if path.exists() else _shipped(spec, flag)) / "config.json"
+
+
+def _shipped(spec: Path | str, flag: str) -> Path:
     if str(spec) not in shipped_names():
         names = ", ".join(shipped_names()) or "none"
         raise HstapError(f"{flag} {spec}: no such directory, and no shipped drafter of that name (shipped: {names})")
-    return unpack(SHIPPED / str(spec))
+    return SHIPPED / str(spec)
 
 
 def unpack(src: Path) -> Path:

@@ -43,9 +43,27 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     if not 0 < size <= vocab_size:
         raise HstapError(f"draft_vocab_size={size}: expected 1..{vocab_size} (the target vocabulary)")
     # stable sort on -count keeps ascending ids among equal counts: deterministic for any data
-    order = torch.sort(-counts, stable=True).indices[:size]
-    draft_to_target = torch.sort(order).values
-    d2t = draft_to_target - torch.arange(size)
+    return _maps(torch.sort(-counts, stable=True).indices[:size], vocab_size)
+
+
+def grow_draft_vocab(counts: torch.Tensor, keep_t2d: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep_t2d`'s tokens, all of them, plus the most frequent other tokens up to `size` (ties → lower id), sorted
+    by target id; returns (d2t, t2d) as `build_draft_vocab` does. Growing an earlier drafter's vocabulary keeps
+    every token its head was trained on, whatever the new data's counts say of them."""
+    vocab_size, kept = counts.numel(), int(keep_t2d.sum())
+    assert keep_t2d.shape == (vocab_size,), f"keep_t2d {tuple(keep_t2d.shape)} vs counts ({vocab_size},)"
+    if not kept <= size <= vocab_size:
+        raise HstapError(f"draft_vocab_size={size}: expected {kept}..{vocab_size} (the kept draft vocabulary .. "
+                         "the target vocabulary)")
+    # kept tokens go below every count (even 0), so the stable sort's first size − kept ids are all new ones
+    others = torch.sort(-counts.masked_fill(keep_t2d, -1), stable=True).indices[:size - kept]
+    return _maps(torch.cat([keep_t2d.nonzero().flatten(), others]), vocab_size)
+
+
+def _maps(chosen: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the distinct target ids `chosen`, in any order: draft ids follow ascending target ids."""
+    draft_to_target = torch.sort(chosen).values
+    d2t = draft_to_target - torch.arange(chosen.numel())
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_to_target] = True
     return d2t.to(torch.int64), t2d

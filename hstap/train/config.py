@@ -1,8 +1,9 @@
 """TrainConfig: everything a training run depends on; `hstap train --plan` prints it resolved.
 
 Sizes left unset fit the device: a GPU gets the EAGLE-3 recipe (TTT 7, a 32k draft vocabulary, 2,048-token
-samples), a CPU sizes it can finish in minutes rather than hours (TTT 3, 8k vocabulary, 512 tokens). `--plan`
-shows what was picked; any of them can be set explicitly.
+samples), a CPU sizes it can finish in minutes rather than hours (TTT 3, 8k vocabulary, 512 tokens); an
+`--init-from` run keeps its drafter's vocabulary unless told to grow it. `--plan` shows what was picked; any of them
+can be set explicitly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP, layers_text
 from hstap.config import LOOPS_HELP, Device, Loops, option, parse_duration
+from hstap.errors import HstapError
 
 # (GPU, CPU) values of the sizes left unset
 DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512),
@@ -54,7 +56,8 @@ class TrainConfig(BaseModel):
     compile: bool = option(True, "(CUDA) fuse the drafter's elementwise chains (norms, rotary, the MLP's gate) with "
                                  "torch.compile; a compiler that fails or disagrees falls back to eager, said once")
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
-                                           "on a CPU)", ge=1)
+                                           "on a CPU; with --init-from, the init drafter's: a larger size grows it, "
+                                           "a smaller one is refused)", ge=1)
     loss_on: Literal["answers", "all"] = option(
         "answers", "positions the loss counts: answers (those predicting an assistant token, EAGLE-3's recipe) or "
         "all (prompt tokens too: the drafter computes them anyway and the target's distribution is the teacher "
@@ -71,7 +74,9 @@ class TrainConfig(BaseModel):
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
     init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
                                     "dir of the same target and layers, or a shipped drafter's name: "
-                                    "smollm2-recipe; fresh optimizer and schedule)", metavar="DIR|NAME")
+                                    "smollm2-recipe; fresh optimizer and schedule); a larger --draft-vocab adds "
+                                    "the most frequent missing tokens, their head rows freshly initialised",
+                                    metavar="DIR|NAME")
     overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
                                     "are deleted first")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
@@ -86,11 +91,29 @@ class TrainConfig(BaseModel):
     _duration = field_validator("time_budget_s", "checkpoint_interval_s", mode="before")(parse_duration)
 
     def sized_for_device(self) -> "TrainConfig":
-        """A copy with every size left unset filled in for the device (GPU recipe or CPU-sized)."""
+        """A copy with every size left unset filled in for the device (GPU recipe or CPU-sized), except the draft
+        vocabulary of an `--init-from` run: `init_draft_vocab` decides it."""
         on_gpu = self.device.startswith("cuda")
         fill = {name: pair[0 if on_gpu else 1] for name, pair in DEVICE_DEFAULTS.items()
                 if getattr(self, name) is None}
+        if self.init_from is not None:
+            fill["draft_vocab"] = self.init_draft_vocab()
         return self.model_copy(update=fill)
+
+    def init_draft_vocab(self) -> int:
+        """The draft vocabulary an `--init-from` run trains: the init drafter's own when --draft-vocab is unset (a
+        GPU's default 32,000 would grow the shipped 16,384 unasked), a larger size set explicitly (hstap.train.run
+        grows the vocabulary), never a smaller one (shrinking would throw trained rows of the head away)."""
+        from hstap.drafter.config import DrafterConfig
+        from hstap.drafter.shipped import drafter_config_path
+
+        assert self.init_from is not None, "init_draft_vocab is for --init-from runs"
+        have = DrafterConfig.load(drafter_config_path(self.init_from, flag="--init-from")).draft_vocab_size
+        if self.draft_vocab is not None and self.draft_vocab < have:
+            raise HstapError(f"--draft-vocab {self.draft_vocab} is smaller than the {have:,}-token draft vocabulary of "
+                             f"--init-from {self.init_from}: shrinking it would throw away trained rows of its head; "
+                             f"pass --draft-vocab {have} or more (more grows it), or leave it unset to keep it")
+        return have if self.draft_vocab is None else self.draft_vocab
 
     def resolved(self) -> dict:
         out = self.sized_for_device().model_dump(mode="json")

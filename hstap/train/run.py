@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, fused, target_to_draft_ids
+from hstap.drafter import (DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, fused, grow_draft_vocab,
+                           target_to_draft_ids)
 from hstap.drafter.shipped import resolve_drafter
 from hstap.config import TeacherSpec
 from hstap.errors import HstapError
@@ -132,21 +133,42 @@ def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, 
 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
-    if cfg.init_from is not None:  # a drafter trained earlier (another session, a smaller set) keeps learning
-        init = resolve_drafter(cfg.init_from, flag="--init-from")  # a run directory or a shipped drafter's name
-        _check_resume_compatible(init, layer_ids, target.hidden_size, target.fingerprint, flag="--init-from")
-        drafter = Eagle3Drafter.from_pretrained(init, target.model).float()
-        return drafter  # its own draft vocabulary: the head's rows are those tokens
     vocab = target.model.config.vocab_size
     size = min(cfg.draft_vocab, vocab)
-    masks = (dict(zip(("input_ids", "loss_mask"), source.token_masks(i)))
-             for i in tqdm(train_idx, desc="draft vocab", unit="sample", leave=False, disable=len(train_idx) < 2000))
-    d2t, t2d = build_draft_vocab(count_tokens(masks, vocab), size)
+    if cfg.init_from is not None:
+        return _init_drafter(cfg, target, source, train_idx, layer_ids, size)
+    d2t, t2d = build_draft_vocab(_count_tokens(source, train_idx, vocab), size)
     dcfg = DrafterConfig.from_target(target.model.config, layer_ids, size, target.model_id, target.fingerprint)
     torch.manual_seed(cfg.seed)
     drafter = Eagle3Drafter(dcfg)
     drafter.init_from_target(target.model, d2t, t2d)
     return drafter
+
+
+def _init_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int], layer_ids: list[int],
+                  size: int) -> Eagle3Drafter:
+    """A drafter trained earlier (another session, a smaller set) keeps learning, over its own draft vocabulary or,
+    when `size` (TrainConfig.init_draft_vocab: never smaller) is larger, over it plus the most frequent tokens it
+    misses: each of those is a certain rejection whenever the target emits it."""
+    init = resolve_drafter(cfg.init_from, flag="--init-from")  # a run directory or a shipped drafter's name
+    _check_resume_compatible(init, layer_ids, target.hidden_size, target.fingerprint, flag="--init-from")
+    drafter = Eagle3Drafter.from_pretrained(init, target.model).float()
+    have = drafter.config.draft_vocab_size
+    assert size >= have, f"draft vocabulary {size} < the init drafter's {have}: TrainConfig.init_draft_vocab refuses it"
+    if size == have:
+        return drafter
+    d2t, t2d = grow_draft_vocab(_count_tokens(source, train_idx, drafter.config.vocab_size), drafter.t2d, size)
+    torch.manual_seed(cfg.seed)  # the new rows start where a fresh drafter's would
+    tqdm.write(f"hstap train: draft vocabulary grown from {have:,} to {size:,} tokens: {size - have:,} new rows "
+               "start from a fresh head's initialisation")
+    return drafter.with_draft_vocab(d2t, t2d)
+
+
+def _count_tokens(source: SampleSource, train_idx: list[int], vocab: int) -> torch.Tensor:
+    """Target-token counts over the training split's loss-masked positions: what the draft vocabulary is made of."""
+    masks = (dict(zip(("input_ids", "loss_mask"), source.token_masks(i)))
+             for i in tqdm(train_idx, desc="draft vocab", unit="sample", leave=False, disable=len(train_idx) < 2000))
+    return count_tokens(masks, vocab)
 
 
 class WarmupCosine:
@@ -232,6 +254,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")
 
     drafter = _build_drafter(cfg, target, source, train_idx, layer_ids).to(device)
+    cfg = cfg.model_copy(update={"draft_vocab": drafter.config.draft_vocab_size})  # train_config.json: the size used
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),

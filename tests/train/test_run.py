@@ -220,11 +220,13 @@ def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
                       progress=False)
     shipped = first.drafter.to(torch.bfloat16)
     shipped.save_pretrained(tmp_path / "shipped", include_embedding=False)
-    # a draft-vocab size the first run did not use: the initialised drafter keeps its own vocabulary
+    # --draft-vocab unset, whose CPU default (8,192) is not the first run's 2,048: the drafter keeps its vocabulary
     # one step at a vanishing learning rate: what it started from, the shipped weights
+    unset = {k: v for k, v in FAST.items() if k != "draft_vocab"}
     again = run_train(TrainConfig(store=small_store, out=tmp_path / "b", max_steps=1, batch_tokens=768, lr=1e-12,
-                                  init_from=tmp_path / "shipped", **{**FAST, "draft_vocab": 1024}), progress=False)
+                                  init_from=tmp_path / "shipped", **unset), progress=False)
     assert torch.equal(again.drafter.d2t, first.drafter.d2t)
+    assert json.loads((tmp_path / "b" / "train_config.json").read_text())["draft_vocab"] == FAST["draft_vocab"]
     for name, value in shipped.trainable_state_dict().items():
         expected = value.float() if value.is_floating_point() else value  # d2t, t2d: exact
         torch.testing.assert_close(again.drafter.trainable_state_dict()[name].cpu(), expected, rtol=0, atol=1e-9)
