@@ -8,7 +8,10 @@ forced step-0 top-1 on the same tokens (a little below it: drafting restarts rig
 than average position). A large gap would point at an alignment bug; agreement says the drafter is the limit.
 
 It also counts the answer tokens outside the draft vocabulary: each is a certain rejection that the teacher-forced
-top-1 (counted on in-vocabulary positions, as training counts it) does not show.
+top-1 (counted on in-vocabulary positions, as training counts it) does not show. `--grow 24000 32000` says how many
+would remain outside if the vocabulary were grown to those sizes as `hstap train --init-from D --draft-vocab N`
+grows it (hstap.drafter.grow_draft_vocab), with token counts from `--count-from` (default: the assistant turns of
+2,000 ShareGPT conversations, a stand-in for the training answers, which stay on the GPU machine).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 import torch
 
 from hstap.data import RenderedSample
-from hstap.drafter import target_to_draft_ids
+from hstap.data.sources import open_source
+from hstap.drafter import grow_draft_vocab, target_to_draft_ids
 from hstap.evaluate.run import load_drafter, load_prompts
 from hstap.evaluate.spec import speculative_generate
 from hstap.metrics import acceptance_length
@@ -38,13 +42,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--chain", type=int, default=3)
+    ap.add_argument("--grow", type=int, nargs="*", default=[], help="draft vocabulary sizes to count misses at")
+    ap.add_argument("--count-from", default="sharegpt", help="data source whose assistant turns give the counts")
+    ap.add_argument("--count-limit", type=int, default=2000)
     args = ap.parse_args()
     target = load_target("smollm2")
     drafter = load_drafter(args.drafter, target)
     stop = set(target.stop_ids)
     samples, first_accepted, verifications, emitted = [], 0, 0, 0
     t2d = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
-    answer_tokens, outside = 0, 0
+    answer_tokens, outside, answers = 0, 0, []
     for p in load_prompts(args.bench, target.tokenizer, args.limit):
         gen = speculative_generate(target.model, drafter, p.ids, DraftShape.parse(f"chain:{args.chain}"),
                                    args.max_new_tokens, stop)
@@ -52,7 +59,8 @@ def main() -> None:
         verifications += len(gen.accepted)
         emitted += sum(gen.emitted)
         answer_tokens += len(gen.tokens)
-        outside += int((t2d[torch.tensor(gen.tokens, dtype=torch.long)] < 0).sum()) if gen.tokens else 0
+        answers.append(torch.tensor(gen.tokens, dtype=torch.long))
+        outside += int((t2d[answers[-1]] < 0).sum())
         samples.append(RenderedSample(p.id, p.ids + gen.tokens, [False] * len(p.ids) + [True] * len(gen.tokens)))
     source = OnlineSource(target, samples, drafter.config.aux_layer_ids, dtype="fp32")
     with torch.no_grad():
@@ -66,6 +74,20 @@ def main() -> None:
           f"({100 * outside / max(answer_tokens, 1):.2f} %)")
     print("teacher-forced on the decoded sequences, top-1 per TTT step: "
           + ", ".join(f"{c / n:.3f}" for c, n in zip(out.step_correct, out.step_counted)))
+    if args.grow:
+        counts = assistant_counts(target.tokenizer, args.count_from, args.count_limit, drafter.config.vocab_size)
+        every = torch.cat(answers)
+        for size in args.grow:
+            grown = grow_draft_vocab(counts, drafter.t2d.bool().cpu(), size)[1]
+            print(f"grown to {size:,} (counts: assistant turns of {args.count_limit} {args.count_from} conversations): "
+                  f"{int((~grown[every]).sum())} outside ({100 * float((~grown[every]).float().mean()):.2f} %)")
+
+
+def assistant_counts(tokenizer, spec: str, limit: int, vocab_size: int) -> torch.Tensor:
+    """Target-token counts over the assistant turns of `limit` conversations of `spec`."""
+    ids = [torch.tensor(tokenizer(m["content"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+           for conv in open_source(spec, limit) for m in conv.messages if m["role"] == "assistant"]
+    return torch.bincount(torch.cat(ids), minlength=vocab_size)[:vocab_size]
 
 
 if __name__ == "__main__":
