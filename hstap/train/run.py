@@ -131,6 +131,15 @@ def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, 
             raise HstapError(f"{flag}: drafter in {out} has {field}={mine}, the training data give {now}")
 
 
+def _check_resume_vocab(out: Path, size: int) -> None:
+    """The checkpoint's head has the run's draft vocabulary: a command that builds another size (a grown run resumed
+    without its --draft-vocab, say) would otherwise fail inside load_state_dict with a size-mismatch traceback."""
+    have = DrafterConfig.load(out / "config.json").draft_vocab_size
+    if have != size:
+        raise HstapError(f"--resume: the run in {out} trains a {have:,}-token draft vocabulary, this command builds "
+                         f"{size:,}: pass --draft-vocab {have}, as the run's command did")
+
+
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
                    layer_ids: list[int]) -> Eagle3Drafter:
     vocab = target.model.config.vocab_size
@@ -249,6 +258,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
     if cfg.resume:
         _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint)
+        _check_resume_vocab(Path(cfg.out), min(cfg.draft_vocab, target.model.config.vocab_size))
     train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
     if not train_idx:
         raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")

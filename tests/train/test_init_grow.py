@@ -112,3 +112,13 @@ def test_a_smaller_draft_vocab_is_refused_and_an_unset_one_keeps_the_init_drafte
     assert main(["train", "--store", str(small_store), "--out", str(tmp_path / "p"), "--device", "cuda",
                  "--init-from", "smollm2-recipe", "--plan"]) == 0
     assert "draft_vocab: 16384" in capsys.readouterr().out
+
+
+def test_resuming_with_another_draft_vocab_is_refused_in_one_line(small_store, small_run):
+    """A run resumed by a command that would build another head size (a grown run resumed without its
+    --draft-vocab) is refused before anything loads, instead of failing inside load_state_dict."""
+    with pytest.raises(HstapError, match=r"--resume: the run in .*small trains a 1,024-token draft vocabulary, this "
+                                         r"command builds 3,000: pass --draft-vocab 1024") as err:
+        run_train(TrainConfig(store=small_store, out=small_run, resume=True, draft_vocab=LARGE, max_steps=3, **FAST),
+                  progress=False)
+    assert "\n" not in str(err.value)
