@@ -121,23 +121,20 @@ def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
 
 
 def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str,
-                             flag: str = "--resume") -> None:
-    """A resumed (or initialised) run must read the same layers of the same target as the drafter it continues."""
+                             flag: str = "--resume", draft_vocab: int | None = None) -> None:
+    """A resumed (or initialised) run must read the same layers of the same target as the drafter it continues; a
+    resumed one (`draft_vocab` given) must also build its head size, or the checkpoint would fail inside
+    load_state_dict with a size-mismatch traceback (a grown run resumed without its --draft-vocab, say)."""
     prior = DrafterConfig.load(out / "config.json")
     for field, mine, now in [("aux_layer_ids", prior.aux_layer_ids, layer_ids),
                              ("target_hidden_size", prior.target_hidden_size, hidden_size),
                              ("target_fingerprint", prior.target_fingerprint, fingerprint)]:
         if mine != now:
             raise HstapError(f"{flag}: drafter in {out} has {field}={mine}, the training data give {now}")
-
-
-def _check_resume_vocab(out: Path, size: int) -> None:
-    """The checkpoint's head has the run's draft vocabulary: a command that builds another size (a grown run resumed
-    without its --draft-vocab, say) would otherwise fail inside load_state_dict with a size-mismatch traceback."""
-    have = DrafterConfig.load(out / "config.json").draft_vocab_size
-    if have != size:
-        raise HstapError(f"--resume: the run in {out} trains a {have:,}-token draft vocabulary, this command builds "
-                         f"{size:,}: pass --draft-vocab {have}, as the run's command did")
+    if draft_vocab is not None and prior.draft_vocab_size != draft_vocab:
+        raise HstapError(f"{flag}: the run in {out} trains a {prior.draft_vocab_size:,}-token draft vocabulary, this "
+                         f"command builds {draft_vocab:,}: pass --draft-vocab {prior.draft_vocab_size}, as the run's "
+                         "command did")
 
 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
@@ -257,8 +254,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if teacher.kind == "topk" and teacher.k < 1:
         raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
     if cfg.resume:
-        _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint)
-        _check_resume_vocab(Path(cfg.out), min(cfg.draft_vocab, target.model.config.vocab_size))
+        _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint,
+                                 draft_vocab=min(cfg.draft_vocab, target.model.config.vocab_size))
     train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
     if not train_idx:
         raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")
