@@ -51,16 +51,14 @@ def main() -> None:
     stop = set(target.stop_ids)
     samples, first_accepted, verifications, emitted = [], 0, 0, 0
     t2d = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
-    answer_tokens, outside, answers = 0, 0, []
+    answers = []
     for p in load_prompts(args.bench, target.tokenizer, args.limit):
         gen = speculative_generate(target.model, drafter, p.ids, DraftShape.parse(f"chain:{args.chain}"),
                                    args.max_new_tokens, stop)
         first_accepted += sum(a >= 1 for a in gen.accepted)
         verifications += len(gen.accepted)
         emitted += sum(gen.emitted)
-        answer_tokens += len(gen.tokens)
         answers.append(torch.tensor(gen.tokens, dtype=torch.long))
-        outside += int((t2d[answers[-1]] < 0).sum())
         samples.append(RenderedSample(p.id, p.ids + gen.tokens, [False] * len(p.ids) + [True] * len(gen.tokens)))
     source = OnlineSource(target, samples, drafter.config.aux_layer_ids, dtype="fp32")
     with torch.no_grad():
@@ -70,17 +68,18 @@ def main() -> None:
     print(f"{len(samples)} prompts, {verifications} verifications")
     print(f"inference: first draft accepted in {first_accepted / verifications:.3f} of verifications, "
           f"τ {acceptance_length(emitted, verifications):.2f} (chain {args.chain})")
-    print(f"answer tokens outside the {drafter.d2t.numel():,}-token draft vocabulary: {outside} of {answer_tokens} "
-          f"({100 * outside / max(answer_tokens, 1):.2f} %)")
+    every = torch.cat(answers)  # the answers' tokens, all prompts
+    outside = t2d[every] < 0
+    print(f"answer tokens outside the {drafter.d2t.numel():,}-token draft vocabulary: {int(outside.sum())} of "
+          f"{every.numel()} ({100 * float(outside.float().mean()):.2f} %)")
     print("teacher-forced on the decoded sequences, top-1 per TTT step: "
           + ", ".join(f"{c / n:.3f}" for c, n in zip(out.step_correct, out.step_counted)))
     if args.grow:
         counts = assistant_counts(target.tokenizer, args.count_from, args.count_limit, drafter.config.vocab_size)
-        every = torch.cat(answers)
         for size in args.grow:
-            grown = grow_draft_vocab(counts, drafter.t2d.bool().cpu(), size)[1]
+            outside = ~grow_draft_vocab(counts, drafter.t2d.cpu(), size)[1][every]
             print(f"grown to {size:,} (counts: assistant turns of {args.count_limit} {args.count_from} conversations): "
-                  f"{int((~grown[every]).sum())} outside ({100 * float((~grown[every]).float().mean()):.2f} %)")
+                  f"{int(outside.sum())} outside ({100 * float(outside.float().mean()):.2f} %)")
 
 
 def assistant_counts(tokenizer, spec: str, limit: int, vocab_size: int) -> torch.Tensor:
