@@ -101,7 +101,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   wait_assets
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
-  # R0: the gpu-marked tests (issue 11) beside the prompts; the wait after R1 collects them
+  # R0: the gpu-marked tests (issue 11) beside the prompts (and, on one GPU, synth); R1's or R2's wait collects them
   step r0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
     tests/drafter/test_fused.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
