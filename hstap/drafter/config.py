@@ -35,8 +35,9 @@ class DrafterConfig(BaseModel):
 
     @classmethod
     def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, model_id: str,
-                    fingerprint: str) -> "DrafterConfig":
-        """Mirror the target's attention/MLP shape (EAGLE-3's choice) from a transformers config."""
+                    fingerprint: str, intermediate_size: int | None = None) -> "DrafterConfig":
+        """Mirror the target's attention/MLP shape (EAGLE-3's choice) from a transformers config; `intermediate_size`
+        widens (or narrows) the MLP: SGLang and vLLM read it from the draft model's own config."""
         rope = getattr(target_config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
@@ -45,7 +46,7 @@ class DrafterConfig(BaseModel):
         heads = target_config.num_attention_heads
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=intermediate_size or target_config.intermediate_size,
             num_attention_heads=heads,
             num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
             head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,

@@ -143,6 +143,25 @@ class Eagle3Drafter(nn.Module):
         grown.load_state_dict({**state, "lm_head.weight": head, "d2t": d2t, "t2d": t2d})
         return grown.to(self.lm_head.weight.device, self.lm_head.weight.dtype)
 
+    def with_mlp_width(self, width: int) -> "Eagle3Drafter":
+        """A copy whose MLP has `width` ≥ its own intermediate units and computes exactly what this one does: the
+        kept units keep their weights, each new unit's gate and up rows start as a fresh drafter's would (the caller
+        seeds torch) and its down-projection column at zero, so it adds nothing until training moves it — and,
+        since its gate and up are not zero, its down column gets a gradient from the first step."""
+        have = self.config.intermediate_size
+        assert width >= have, f"an MLP of {have} units cannot grow to {width}"
+        grown = Eagle3Drafter(self.config.model_copy(update={"intermediate_size": width}))
+        state = self.state_dict()
+        fresh = grown.state_dict()
+        for name in ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"):  # (I, H): rows are units
+            fresh[name][:have] = state[name].to(fresh[name])
+            state[name] = fresh[name]
+        down = torch.zeros_like(fresh["midlayer.mlp.down_proj.weight"])  # (H, I): columns are units
+        down[:, :have] = state["midlayer.mlp.down_proj.weight"].to(down)
+        state["midlayer.mlp.down_proj.weight"] = down
+        grown.load_state_dict(state)
+        return grown.to(self.lm_head.weight.device, self.lm_head.weight.dtype)
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """(B, S, n_aux*H_target) concatenated target layers → (B, S, H)."""
         return self.fc(aux.to(self.fc.weight.dtype))

@@ -22,6 +22,10 @@ from hstap.errors import HstapError
 DEVICE_DEFAULTS = {"ttt_steps": (7, 3), "draft_vocab": (32000, 8192), "max_tokens": (2048, 512),
                    "calib_prompts": (8, 2)}
 
+# TrainConfig field -> (the DrafterConfig field it sets, what it counts): the sizes an --init-from run may grow
+INIT_SIZES = {"draft_vocab": ("draft_vocab_size", "-token draft vocabulary"),
+              "draft_intermediate": ("intermediate_size", " units of the MLP")}
+
 
 class TrainConfig(BaseModel):
     """Train an EAGLE-3 drafter offline from a store, or online with the target in this process."""
@@ -58,6 +62,10 @@ class TrainConfig(BaseModel):
     draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
                                            "on a CPU; with --init-from, the init drafter's: a larger size grows it, "
                                            "a smaller one is refused)", ge=1)
+    draft_intermediate: int | None = option(None, "units of the drafter's MLP (default the target's "
+                                                  "intermediate_size, EAGLE-3's choice; with --init-from, the init "
+                                                  "drafter's: a larger width grows it, new units starting at zero "
+                                                  "output, a smaller one is refused)", ge=1)
     loss_on: Literal["answers", "all"] = option(
         "answers", "positions the loss counts: answers (those predicting an assistant token, EAGLE-3's recipe) or "
         "all (prompt tokens too: the drafter computes them anyway and the target's distribution is the teacher "
@@ -92,28 +100,31 @@ class TrainConfig(BaseModel):
 
     def sized_for_device(self) -> "TrainConfig":
         """A copy with every size left unset filled in for the device (GPU recipe or CPU-sized), except the draft
-        vocabulary of an `--init-from` run: `init_draft_vocab` decides it."""
+        vocabulary and MLP width of an `--init-from` run: `init_size` decides them."""
         on_gpu = self.device.startswith("cuda")
         fill = {name: pair[0 if on_gpu else 1] for name, pair in DEVICE_DEFAULTS.items()
                 if getattr(self, name) is None}
         if self.init_from is not None:
-            fill["draft_vocab"] = self.init_draft_vocab()
+            fill["draft_vocab"] = self.init_size("draft_vocab")
+            fill["draft_intermediate"] = self.init_size("draft_intermediate")
         return self.model_copy(update=fill)
 
-    def init_draft_vocab(self) -> int:
-        """The draft vocabulary an `--init-from` run trains: the init drafter's own when --draft-vocab is unset (a
-        GPU's default 32,000 would grow the shipped 16,384 unasked), a larger size set explicitly (hstap.train.run
-        grows the vocabulary), never a smaller one (shrinking would throw trained rows of the head away)."""
+    def init_size(self, name: Literal["draft_vocab", "draft_intermediate"]) -> int:
+        """The draft vocabulary or MLP width an `--init-from` run trains: the init drafter's own when unset (a GPU's
+        default 32,000-token vocabulary would grow the shipped 16,384 unasked), a larger one set explicitly
+        (hstap.train.run grows the drafter), never a smaller one (shrinking would throw trained weights away)."""
         from hstap.drafter.config import DrafterConfig
         from hstap.drafter.shipped import drafter_config_path
 
-        assert self.init_from is not None, "init_draft_vocab is for --init-from runs"
-        have = DrafterConfig.load(drafter_config_path(self.init_from, flag="--init-from")).draft_vocab_size
-        if self.draft_vocab is not None and self.draft_vocab < have:
-            raise HstapError(f"--draft-vocab {self.draft_vocab} is smaller than the {have:,}-token draft vocabulary of "
-                             f"--init-from {self.init_from}: shrinking it would throw away trained rows of its head; "
-                             f"pass --draft-vocab {have} or more (more grows it), or leave it unset to keep it")
-        return have if self.draft_vocab is None else self.draft_vocab
+        assert self.init_from is not None, "init_size is for --init-from runs"
+        init = DrafterConfig.load(drafter_config_path(self.init_from, flag="--init-from"))
+        have, want = getattr(init, INIT_SIZES[name][0]), getattr(self, name)
+        flag, what = "--" + name.replace("_", "-"), INIT_SIZES[name][1]
+        if want is not None and want < have:
+            raise HstapError(f"{flag} {want} is smaller than the {have:,}{what} of --init-from {self.init_from}: "
+                             f"shrinking would throw trained weights away; pass {flag} {have} or more (more grows "
+                             "it), or leave it unset to keep it")
+        return have if want is None else want
 
     def resolved(self) -> dict:
         out = self.sized_for_device().model_dump(mode="json")

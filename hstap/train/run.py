@@ -121,10 +121,11 @@ def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
 
 
 def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, fingerprint: str,
-                             flag: str = "--resume", draft_vocab: int | None = None) -> None:
+                             flag: str = "--resume", draft_vocab: int | None = None,
+                             intermediate: int | None = None) -> None:
     """A resumed (or initialised) run must read the same layers of the same target as the drafter it continues; a
-    resumed one (`draft_vocab` given) must also build its head size, or the checkpoint would fail inside
-    load_state_dict with a size-mismatch traceback (a grown run resumed without its --draft-vocab, say)."""
+    resumed one (`draft_vocab`, `intermediate` given) must also build its head size and MLP width, or the checkpoint
+    would fail inside load_state_dict with a size-mismatch traceback (a grown run resumed without its flags, say)."""
     prior = DrafterConfig.load(out / "config.json")
     for field, mine, now in [("aux_layer_ids", prior.aux_layer_ids, layer_ids),
                              ("target_hidden_size", prior.target_hidden_size, hidden_size),
@@ -135,6 +136,10 @@ def _check_resume_compatible(out: Path, layer_ids: list[int], hidden_size: int, 
         raise HstapError(f"{flag}: the run in {out} trains a {prior.draft_vocab_size:,}-token draft vocabulary, this "
                          f"command builds {draft_vocab:,}: pass --draft-vocab {prior.draft_vocab_size}, as the run's "
                          "command did")
+    if intermediate is not None and prior.intermediate_size != intermediate:
+        raise HstapError(f"{flag}: the run in {out} trains an MLP of {prior.intermediate_size:,} units, this command "
+                         f"builds {intermediate:,}: pass --draft-intermediate {prior.intermediate_size}, as the run's "
+                         "command did")
 
 
 def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int],
@@ -144,7 +149,8 @@ def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: li
     if cfg.init_from is not None:
         return _init_drafter(cfg, target, source, train_idx, layer_ids, size)
     d2t, t2d = build_draft_vocab(_count_tokens(source, train_idx, vocab), size)
-    dcfg = DrafterConfig.from_target(target.model.config, layer_ids, size, target.model_id, target.fingerprint)
+    dcfg = DrafterConfig.from_target(target.model.config, layer_ids, size, target.model_id, target.fingerprint,
+                                     intermediate_size=cfg.draft_intermediate)
     torch.manual_seed(cfg.seed)
     drafter = Eagle3Drafter(dcfg)
     drafter.init_from_target(target.model, d2t, t2d)
@@ -154,20 +160,26 @@ def _build_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: li
 def _init_drafter(cfg: TrainConfig, target, source: SampleSource, train_idx: list[int], layer_ids: list[int],
                   size: int) -> Eagle3Drafter:
     """A drafter trained earlier (another session, a smaller set) keeps learning, over its own draft vocabulary or,
-    when `size` (TrainConfig.init_draft_vocab: never smaller) is larger, over it plus the most frequent tokens it
-    misses: each of those is a certain rejection whenever the target emits it."""
+    when `size` (TrainConfig.init_size: never smaller) is larger, over it plus the most frequent tokens it misses
+    (each is a certain rejection whenever the target emits it); and with its own MLP or, when
+    --draft-intermediate is larger, a wider one that starts out computing what the init drafter computes."""
     init = resolve_drafter(cfg.init_from, flag="--init-from")  # a run directory or a shipped drafter's name
     _check_resume_compatible(init, layer_ids, target.hidden_size, target.fingerprint, flag="--init-from")
     drafter = Eagle3Drafter.from_pretrained(init, target.model).float()
-    have = drafter.config.draft_vocab_size
-    assert size >= have, f"draft vocabulary {size} < the init drafter's {have}: TrainConfig.init_draft_vocab refuses it"
-    if size == have:
-        return drafter
-    d2t, t2d = grow_draft_vocab(_count_tokens(source, train_idx, drafter.config.vocab_size), drafter.t2d, size)
-    torch.manual_seed(cfg.seed)  # the new rows start where a fresh drafter's would
-    tqdm.write(f"hstap train: draft vocabulary grown from {have:,} to {size:,} tokens: {size - have:,} new rows "
-               "start from a fresh head's initialisation")
-    return drafter.with_draft_vocab(d2t, t2d)
+    have, width = drafter.config.draft_vocab_size, drafter.config.intermediate_size
+    assert size >= have, f"draft vocabulary {size} < the init drafter's {have}: TrainConfig.init_size refuses it"
+    if size > have:
+        d2t, t2d = grow_draft_vocab(_count_tokens(source, train_idx, drafter.config.vocab_size), drafter.t2d, size)
+        torch.manual_seed(cfg.seed)  # the new rows start where a fresh drafter's would
+        tqdm.write(f"hstap train: draft vocabulary grown from {have:,} to {size:,} tokens: {size - have:,} new rows "
+                   "start from a fresh head's initialisation")
+        drafter = drafter.with_draft_vocab(d2t, t2d)
+    if cfg.draft_intermediate is not None and cfg.draft_intermediate > width:
+        torch.manual_seed(cfg.seed + 1)  # the new units' gate and up rows
+        tqdm.write(f"hstap train: MLP grown from {width:,} to {cfg.draft_intermediate:,} units; the new ones start "
+                   "with a zero output (the drafter computes what it did)")
+        drafter = drafter.with_mlp_width(cfg.draft_intermediate)
+    return drafter
 
 
 def _count_tokens(source: SampleSource, train_idx: list[int], vocab: int) -> torch.Tensor:
@@ -255,13 +267,16 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         raise HstapError(f"store teacher {teacher}: expected top-k log-probs or a hidden teacher")
     if cfg.resume:
         _check_resume_compatible(Path(cfg.out), layer_ids, target.hidden_size, target.fingerprint,
-                                 draft_vocab=min(cfg.draft_vocab, target.model.config.vocab_size))
+                                 draft_vocab=min(cfg.draft_vocab, target.model.config.vocab_size),
+                                 intermediate=cfg.draft_intermediate or target.model.config.intermediate_size)
     train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
     if not train_idx:
         raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")
 
     drafter = _build_drafter(cfg, target, source, train_idx, layer_ids).to(device)
-    cfg = cfg.model_copy(update={"draft_vocab": drafter.config.draft_vocab_size})  # train_config.json: the size used
+    # train_config.json: the sizes used
+    cfg = cfg.model_copy(update={"draft_vocab": drafter.config.draft_vocab_size,
+                                 "draft_intermediate": drafter.config.intermediate_size})
     t2d_ids = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),

@@ -1,6 +1,7 @@
-"""`hstap train --init-from DRAFTER --draft-vocab N` on real SmolLM2 captures: a larger N grows the init drafter's
-draft vocabulary (its tokens' logits unchanged, the new tokens' head rows a fresh drafter's), an unset N keeps it
-(also on a GPU, whose default would be larger), a smaller N is refused in one line."""
+"""`hstap train --init-from DRAFTER --draft-vocab N --draft-intermediate W` on real SmolLM2 captures: a larger N
+grows the init drafter's draft vocabulary (its tokens' logits unchanged, the new tokens' head rows a fresh
+drafter's), a larger W widens its MLP (its logits unchanged, the new units trained from the first step), unset sizes
+keep the init's (also on a GPU, whose default vocabulary would be larger), smaller ones are refused in one line."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_a_smaller_draft_vocab_is_refused_and_an_unset_one_keeps_the_init_drafte
     from hstap.cli import main
 
     with pytest.raises(HstapError, match=r"--draft-vocab 512 is smaller than the 1,024-token draft vocabulary of "
-                                         r"--init-from .*small: shrinking it would throw away trained rows") as err:
+                                         r"--init-from .*small: shrinking would throw trained weights away") as err:
         run_train(TrainConfig(store=small_store, out=tmp_path / "o", init_from=small_run, draft_vocab=512, **FAST),
                   progress=False)
     assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
@@ -107,6 +108,7 @@ def test_a_smaller_draft_vocab_is_refused_and_an_unset_one_keeps_the_init_drafte
     assert TrainConfig(init_from=small_run, **gpu).resolved()["draft_vocab"] == SMALL
     assert TrainConfig(init_from=small_run, draft_vocab=SMALL, **gpu).resolved()["draft_vocab"] == SMALL
     assert TrainConfig(init_from="smollm2-recipe", **gpu).resolved()["draft_vocab"] == 16384
+    assert TrainConfig(init_from="smollm2-recipe", **gpu).resolved()["draft_intermediate"] == 1536
     assert TrainConfig(init_from="smollm2-recipe", draft_vocab=32000, **gpu).resolved()["draft_vocab"] == 32000
     assert TrainConfig(**gpu).resolved()["draft_vocab"] == 32000  # no --init-from: the GPU default
     assert main(["train", "--store", str(small_store), "--out", str(tmp_path / "p"), "--device", "cuda",
@@ -122,3 +124,51 @@ def test_resuming_with_another_draft_vocab_is_refused_in_one_line(small_store, s
         run_train(TrainConfig(store=small_store, out=small_run, resume=True, draft_vocab=LARGE, max_steps=3, **FAST),
                   progress=False)
     assert "\n" not in str(err.value)
+
+
+WIDE = 2 * 1536  # the grown MLP's units (SmolLM2's intermediate_size is 1,536)
+
+
+def test_a_wider_mlp_grows_the_init_drafter_computing_what_it_did(small_store, small_run, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The grown drafter (caught before its first step) gives the init's logits on real captured states, its kept
+    units bit-exact and its new units' down columns zero; one step later those columns have moved (they get a
+    gradient); both config files record the width, and a resume without --draft-intermediate is refused."""
+    built = {}
+
+    def build_and_keep(cfg, target, source, train_idx, layer_ids):
+        built["grown"] = copy.deepcopy(real_build(cfg, target, source, train_idx, layer_ids))
+        built["batch"] = run_module.load_batch(source, train_idx[:2], layer_ids, torch.device("cpu"))
+        return copy.deepcopy(built["grown"])
+
+    real_build = run_module._build_drafter
+    monkeypatch.setattr(run_module, "_build_drafter", build_and_keep)
+    out = tmp_path / "wide"
+    result = run_train(TrainConfig(store=small_store, out=out, init_from=small_run, draft_intermediate=WIDE,
+                                   max_steps=1, **FAST), progress=False)
+    assert "MLP grown from 1,536 to 3,072 units" in capsys.readouterr().out
+    init, grown = Eagle3Drafter.from_pretrained(small_run), built["grown"]
+    mlp, old = grown.midlayer.mlp, init.midlayer.mlp
+    assert grown.config.intermediate_size == WIDE and mlp.down_proj.weight.shape == (576, WIDE)
+    assert torch.equal(mlp.gate_proj.weight[:1536], old.gate_proj.weight)
+    assert torch.equal(mlp.up_proj.weight[:1536], old.up_proj.weight)
+    assert torch.equal(mlp.down_proj.weight[:, :1536], old.down_proj.weight)
+    assert not bool(mlp.down_proj.weight[:, 1536:].any()) and bool(mlp.gate_proj.weight[1536:].any())
+    for name, value in init.state_dict().items():
+        if ".mlp." not in name:
+            assert torch.equal(grown.state_dict()[name], value), name
+    batch = built["batch"]
+    torch.testing.assert_close(_logits(grown, batch.aux, batch.input_ids), _logits(init, batch.aux, batch.input_ids))
+
+    trained = result.drafter.midlayer.mlp.down_proj.weight.detach()
+    assert float(trained[:, 1536:].abs().max()) > 0  # the new units learn from the first step
+    assert json.loads((out / "train_config.json").read_text())["draft_intermediate"] == WIDE
+    assert Eagle3Drafter.from_pretrained(out).config.intermediate_size == WIDE
+    with pytest.raises(HstapError, match=r"--resume: the run in .*wide trains an MLP of 3,072 units, this command "
+                                         r"builds 1,536: pass --draft-intermediate 3072") as err:
+        run_train(TrainConfig(store=small_store, out=out, resume=True, max_steps=2, draft_vocab=SMALL, **FAST),
+                  progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(HstapError, match=r"--draft-intermediate 1000 is smaller than the 3,072 units of the MLP of "
+                                         r"--init-from .*wide: shrinking would throw trained weights away"):
+        TrainConfig(store=small_store, out=tmp_path / "o", init_from=out, draft_intermediate=1000).resolved()
