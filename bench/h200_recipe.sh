@@ -28,7 +28,9 @@
 # AB_ARGS="FLAGS" (one GPU): R3 also trains drafter_ab, the same run with FLAGS added, beside the first on the same
 #    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
 #    AB_ARGS="--loops cut": answers ending in a repetition loop cut
-#    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too.
+#    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too;
+#    AB_ARGS="--draft-intermediate 4608": the drafter's MLP grown 3x (new units start at zero output; at batch 1 the
+#    drafting step is launch-bound, so width costs the decoder nothing): is capacity what limits the drafter?
 # PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on
 #    2026-12-02 it came last and the session's device time ran out before it).
 # SPEC_PROFILE=1: R4 ends with the decoding cycles' device timeline (bench/spec_profile.py: kernels per cycle,
