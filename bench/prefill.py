@@ -5,8 +5,8 @@ same prompts, same process, with and without the drafter's aux layers.
     python bench/prefill.py [--device cpu|cuda] [--lengths 64 256 1024] [--batch 1] [--reps 10] [--threads 2]
     python bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 --reps 20   # the H200 recipe's
 
-Prompts are random token ids, left-padded to the row's length minus a quarter on every other row (the padding
-mask is exercised, as with real batches). A call is `rt.prefill(ids, mask, 256[, aux_layers])`, what the
+Prompts are random token ids of `--lengths` tokens; every other row is a quarter shorter, left-padded (the padding
+mask is exercised, as in real batches). A call is `rt.prefill(ids, mask, 256[, aux_layers])`, what the
 speculative decoder runs per batch. Median of `--reps` after two warm-ups, the two paths alternating call by call
 (a shared machine's drift hits both alike); ms per prompt = ms per call / batch.
 """

@@ -81,8 +81,9 @@ def test_admit_writes_only_its_rows_and_equals_transformers(target, batch):
 
 def test_hooks_on_the_model_see_only_the_model_prefill(target, batch):
     """hf_capture's taps are a forward pre-hook on the model: "model" shows it the [B, P] prefill, "lean" never
-    calls the model (its logits are checked above), and an Engine threads the choice to its runtime."""
-    from hstap.runtime.engine import Engine
+    calls the model (its logits are checked above), and the hf engine's capture app asks its runtime for "model"
+    (taps may go on after the app is made, as tests/serve/test_hf_capture.py puts them)."""
+    from hstap.serve.hf_capture import create_capture_app
 
     ids, mask = batch
     seen = []
@@ -96,11 +97,11 @@ def test_hooks_on_the_model_see_only_the_model_prefill(target, batch):
             assert seen == ([ids.shape] if path == "model" else []), path
     finally:
         handle.remove()
-    engine = Engine(target, max_batch=1, prefill="model")
+    app = create_capture_app(target, "smollm2", None, max_batch=1)
     try:
-        assert engine.stepper.prefill_path == "model"
+        assert app.state.engine.stepper.prefill_path == "model"
     finally:
-        engine.close()
+        app.state.engine.close()
 
 
 def test_bad_prefill_path_is_one_line(target):
