@@ -2,7 +2,8 @@
 
 Every method runs on one `hstap.runtime.target.Runtime` (static cache, CUDA graphs on a GPU), batch by batch,
 so the speedup is measured against vanilla decoding on the same backend. A `Generation` is one prompt's answer
-with the counts τ is made of.
+with the counts τ is made of. The runtime prefills through its lean forward (the default): nothing here hooks the
+model, and the prefill is part of every measured batch.
 
     methods = Methods(model, drafter, batch_size=8, max_len=1024)
     gens = methods.run(DraftShape.parse("tree:8,8,60"), prompts, 256, stop_ids={2})

@@ -53,11 +53,13 @@ class Engine:
     (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
     bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`) every
     batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.
+    `prefill` is the runtime's prefill path (`Runtime`): "lean" (default), or "model" when hooks on the
+    transformers model must see the prompts (the `hf` engine's capture taps, `hstap.serve.hf_capture`).
     """
 
     def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, max_len: int | None = None,
                  seed: int = 0, compile_step: bool = False, drafter=None, draft: str | None = None,
-                 continuous: bool | None = None):
+                 continuous: bool | None = None, prefill: str = "lean"):
         if max_batch < 1:
             raise HstapError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.tokenizer, self.max_batch = target.model, target.tokenizer, max_batch
@@ -65,7 +67,7 @@ class Engine:
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = stop_ids(self.model, self.tokenizer)
         self.max_len = max_len or int(getattr(self.model.config, "max_position_embeddings", 8192))
-        self.stepper = self._make_stepper(cuda_graphs, compile_step)
+        self.stepper = self._make_stepper(cuda_graphs, compile_step, prefill)
         self.spec = self._make_spec(drafter, draft)
         self._spec_totals = {"verify_forwards": 0, "emitted": 0, "accepted": 0}
         self.sync_every = 8 if self.device.type == "cuda" else 1
@@ -82,11 +84,11 @@ class Engine:
         self._worker = threading.Thread(target=serve, name="hstap-engine", daemon=True)
         self._worker.start()
 
-    def _make_stepper(self, cuda_graphs: bool | None, compile_step: bool) -> Stepper:
+    def _make_stepper(self, cuda_graphs: bool | None, compile_step: bool, prefill: str) -> Stepper:
         if unsupported(self.model) is not None:
-            return EagerStepper(self.model)
+            return EagerStepper(self.model)  # transformers' forward throughout: hooks see every prefill anyway
         return Runtime(self.model, batch_size=self.max_batch, max_len=self.max_len, cuda_graphs=cuda_graphs,
-                       compile_step=compile_step)
+                       compile_step=compile_step, prefill=prefill)
 
     def _make_spec(self, drafter, draft: str | None):
         """The speculative decoder of `draft` (default chain:3 with a drafter), or None."""

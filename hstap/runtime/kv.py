@@ -24,6 +24,15 @@ class KVCache:
         self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, dtype=dtype, device=device)
         self.length = length
 
+    def rows(self, first: int, end: int) -> "KVCache":
+        """Rows [first, end) as a KVCache over this one's memory (a view, no copy): a forward over those rows
+        writes their keys and values in place (the lean prefill of some rows of a slot)."""
+        if not 0 <= first < end <= self.data.shape[1]:
+            raise ValueError(f"rows [{first}, {end}) are not inside the cache's {self.data.shape[1]} rows")
+        view = KVCache.__new__(KVCache)
+        view.data, view.length = self.data[:, first:end], self.length
+        return view
+
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[2 * layer]  # (B, H_kv, L, D)
 

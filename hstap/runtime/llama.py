@@ -3,8 +3,9 @@
 transformers' forward launches ~50 small kernels per decoder layer (a norm is eight: upcast, square, mean, add,
 rsqrt, multiply, downcast, scale); a replayed CUDA graph still pays ~2 µs for each. This forward reads the same
 weights, fused once at load (q/k/v into one matrix, gate/up into one), and uses one `rms_norm`, one SDPA call
-over the cache (attention.py) and in-place cache writes: about 20 kernels per layer. The transformers model stays
-what it was: prefill (and with it the capture taps) still runs through it.
+over the cache (attention.py) and in-place cache writes: about 20 kernels per layer. It runs the prefill too
+(`Runtime`'s default; `last_only` keeps its lm_head to the last position), so nothing but the weights is shared
+with the transformers model, which stays what it was: hooks on it see only a `Runtime(prefill="model")` prefill.
 
     lean = LeanLlama(model)                      # HstapError when the architecture is not supported
     logits, aux = lean.forward(ids, positions, kv, cols, mask, aux_layers=[1, 14, 26])
@@ -107,12 +108,13 @@ class LeanLlama:
         return KVCache(self.num_layers, batch, self.kv_heads, length, self.head_dim, self.dtype, self.embed.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, cols: torch.Tensor,
-                mask: torch.Tensor, aux_layers: list[int] | tuple[int, ...] = (),
+                mask: torch.Tensor, aux_layers: list[int] | tuple[int, ...] = (), last_only: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions, cols (B, Q); mask (B, 1, Q, S) from `kv.block_mask` over the first S ≤ L columns
         (S < L: attend to a prefix of the cache, what the eager path does to skip empty columns) → (logits
         (B, Q, V) in the model dtype, the residual stream after each of `aux_layers` concatenated (B, Q, n·H),
-        or None)."""
+        or None). `last_only`: logits of the last query only, (B, 1, V): a prefill needs just the next token's,
+        and 256 rows x 4k tokens of full logits would be ~200 GB."""
         h = F.embedding(ids, self.embed)  # (B, Q, H)
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, h.dtype)  # (B, Q, hd)
         mask = group_mask(mask, self.heads // self.kv_heads)  # (B, 1, G·Q, L)
@@ -126,7 +128,9 @@ class LeanLlama:
             h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
             if i in aux_layers:
                 aux.append(h)
-        logits = F.linear(F.rms_norm(h, h.shape[-1:], self.norm, self.eps), self.lm_head)  # (B, Q, V)
+        if last_only:
+            h = h[:, -1:]  # (B, 1, H); aux keeps every position
+        logits = F.linear(F.rms_norm(h, h.shape[-1:], self.norm, self.eps), self.lm_head)  # (B, Q or 1, V)
         order = sorted(set(aux_layers))
         return logits, (torch.cat([aux[order.index(k)] for k in aux_layers], -1) if aux_layers else None)
 

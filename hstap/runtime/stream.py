@@ -3,8 +3,8 @@
 A static batch (`decode`) runs until its longest row ends: rows that stopped early idle, and a request that arrives
 meanwhile waits for the whole batch. Here every row holds one request at a time. Every `sync_every` steps the host
 reads the tokens made since its last read (one copy), finishes the rows that stopped or reached their
-max_new_tokens, and prefills waiting requests into the free rows (`Runtime.admit`: transformers' forward, its keys
-and values loaded into those rows) while the other rows keep their caches and positions. The step itself is the
+max_new_tokens, and prefills waiting requests into the free rows (`Runtime.admit`: the runtime's prefill, its keys and
+values written into those rows only) while the other rows keep their caches and positions. The step itself is the
 runtime's one-token step (a CUDA graph replay on a GPU), unchanged: each row reads only its own columns
 [start, write_at), so a row admitted at column 0 sits beside rows hundreds of columns on.
 

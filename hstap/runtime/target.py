@@ -1,12 +1,18 @@
 """The target on static caches: a batched prefill, then one-token steps replayed from a CUDA graph.
 
-Prefill is transformers' ordinary forward over the left-padded prompts (what `generate` runs, so the first token
-is generate's, and the capture taps see an ordinary padded batch); its keys and values are then copied into a
-`KVCache`. Every later forward — a decode step, a verification block — is `LeanLlama.forward` over that cache,
+Prefill is `LeanLlama.forward` over the left-padded prompts (`prefill="lean"`, the default): one forward per row
+chunk, its keys and values written in place into columns [0, P) of the slot's rows, attention causal and blind to
+padding keys, the drafter's aux states returned by the forward itself, the lm_head on the last position only.
+transformers' forward used to do it (eager, ~50 kernels a layer, a DynamicCache copied into the cache after):
+~30 ms a prompt on an H200, ~5 % of the speculative speedup. It equals transformers' prefill (fp32: logits, cache
+rows and aux to rounding; tests/runtime/test_prefill.py). `prefill="model"` keeps transformers' forward, for
+callers whose hooks on the model must see the prompts as an ordinary padded batch (the `hf` engine's capture
+taps). Every later forward — a decode step, a verification block — is `LeanLlama.forward` over that cache,
 captured once per (slot, shape) on CUDA. Slots are caches of one length bucket (LRU, `max_slots`); a graph has
 one batch size, so a smaller batch steps with dummy rows that see nothing but themselves.
 
-    rt = Runtime(model, batch_size=8, max_len=4096)                # graphs on CUDA, eager on a CPU
+    rt = Runtime(model, batch_size=8, max_len=4096)                # graphs on CUDA, eager on a CPU; prefill="model"
+                                                                   # for transformers' forward (hooks see it)
     logits = rt.prefill(ids, mask, max_new_tokens=256)             # (B, V) fp32, next token of every row
     logits = rt.step(tokens)                                       # tokens (B,) → (B, V), a reused buffer
 """
@@ -29,6 +35,7 @@ LEN_BUCKET = 256  # cache lengths are rounded up to this: one set of graphs serv
 KV_BUDGET = 0.4  # on CUDA the slots' caches together may take at most this share of the device's memory
 PREFILL_TOKENS = 1 << 16  # rows x width of one prefill forward; wider batches are prefilled in row chunks
 PREFILL_SCORES = 1 << 31  # rows x heads x width^2 attention scores of one prefill forward (the masked kernel's)
+PREFILL_PATHS = ("lean", "model")  # Runtime(prefill=...): LeanLlama's forward, or the transformers model's
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -67,6 +74,29 @@ class Slot:
         return self.write_at - self.start
 
 
+def prefill_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[k, P] 0/1 padding mask → the additive (k, 1, P, P) mask of a prefill: a block written at column 0 with
+    no prefix (`block_mask`), whose query j sees key j' ≤ j when j' is a real token, and always itself (a
+    padding query then attends to its own column instead of to nothing)."""
+    rows, width = mask.shape
+    device = mask.device
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (P, P)
+    tree = (causal & mask.bool()[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)  # (k, P, P)
+    column0 = torch.zeros(rows, dtype=torch.long, device=device)
+    return block_mask(column0, column0, width, tree, dtype)
+
+
+def consecutive_runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Ranges [a, b) of `rows` over which the slot rows count up by one, e.g. [4, 5, 6, 0, 1] → [(0, 3), (3, 5)]:
+    each is one slice of the slot's cache, which a lean prefill writes in place."""
+    runs, first = [], 0
+    for b in range(1, len(rows) + 1):
+        if b == len(rows) or rows[b] != rows[b - 1] + 1:
+            runs.append((first, b))
+            first = b
+    return runs
+
+
 def prefill_chunks(rows: int, width: int, heads: int) -> list[tuple[int, int]]:
     """Row ranges [r0, r1) whose prefill stays within PREFILL_TOKENS tokens and PREFILL_SCORES attention scores;
     e.g. 256 rows of 4096 tokens → 16-row chunks. At least one row per chunk."""
@@ -79,11 +109,17 @@ class Runtime:
 
     `cuda_graphs` (default: on CUDA) replays captured steps; `compile_step` also runs the forward through
     torch.compile (faster kernels, a compile per shape). `rehearse` (tests, any device): do everything the graph
-    path does — capture warm-ups with their state restore, full-width attention — except capturing."""
+    path does — capture warm-ups with their state restore, full-width attention — except capturing.
+    `prefill`: "lean" (default) runs the prompts through `LeanLlama.forward`, written in place into the cache;
+    "model" runs them through the transformers model, for callers whose hooks on it must see the prefill (the
+    `hf` engine's capture taps); both give the same logits, cache rows and aux states (fp32: to rounding)."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, cuda_graphs: bool | None = None,
                  len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False,
-                 rehearse: bool = False):
+                 rehearse: bool = False, prefill: str = "lean"):
+        if prefill not in PREFILL_PATHS:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {prefill!r}")
+        self.prefill_path = prefill
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
         self.lean = LeanLlama(model)
         self.device = self.lean.embed.device
@@ -112,7 +148,7 @@ class Runtime:
         slot.rows = rows
         slot.write_at.fill_(width)
         slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
-        logits, aux = self._prefill_rows(slot, torch.arange(rows, device=ids.device), ids, mask, aux_layers)
+        logits, aux = self._prefill_rows(slot, list(range(rows)), ids, mask, aux_layers)
         slot.bound = width
         return logits if not aux_layers else (logits, aux)
 
@@ -134,10 +170,9 @@ class Runtime:
         if slot is None or ids.shape[1] > slot.length:
             raise ValueError(f"a {ids.shape[1]}-token prompt does not fit the open slot "
                              f"({slot.length if slot else 0} columns)")
-        index = torch.tensor(rows, dtype=torch.long, device=ids.device)  # (k,)
         width = ids.shape[1]
-        slot.write_at[index] = width
-        logits = self._prefill_rows(slot, index, ids, mask, ())[0]
+        slot.write_at[torch.tensor(rows, dtype=torch.long, device=ids.device)] = width
+        logits = self._prefill_rows(slot, list(rows), ids, mask, ())[0]
         slot.bound = max(slot.bound, width)  # the eager path attends to columns [0, bound + block)
         return logits
 
@@ -147,15 +182,47 @@ class Runtime:
         slot.eager = not (self.cuda_graphs or self.rehearse)
         return slot
 
-    def _prefill_rows(self, slot: Slot, index: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    def _prefill_rows(self, slot: Slot, rows: list[int], ids: torch.Tensor, mask: torch.Tensor,
                       aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """transformers' forward over ids/mask [k, P] in row chunks, keys and values loaded into columns [0, P) of
-        the slot's rows `index` (k,), their start set from the padding; → logits (k, V) fp32, aux (k, P, n·H)."""
+        """Prefill ids/mask [k, P] into columns [0, P) of the slot's rows `rows` (k of them), their start set from
+        the padding; → logits (k, V) fp32, aux (k, P, n·H) | None. Row chunks bound activations and scores."""
+        if len(rows) != ids.shape[0]:
+            raise ValueError(f"{ids.shape[0]} prompts for {len(rows)} rows")
+        run = self._prefill_lean if self.prefill_path == "lean" else self._prefill_model
+        logits, aux = run(slot, rows, ids, mask, aux_layers)
+        slot.start[torch.tensor(rows, dtype=torch.long, device=ids.device)] = ids.shape[1] - mask.sum(-1)
+        return torch.cat(logits), (torch.cat(aux) if aux_layers else None)
+
+    def _prefill_lean(self, slot: Slot, rows: list[int], ids: torch.Tensor, mask: torch.Tensor,
+                      aux_layers: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`LeanLlama.forward` over each chunk of consecutive slot rows, a view of their cache rows as its cache:
+        keys and values land in place (no DynamicCache, no copy), the aux states come out of the forward (no
+        hooks), the lm_head runs on the last position only. Eager even with `compile_step`: one compile per
+        prompt width would cost more than it saves."""
+        width = ids.shape[1]
+        logits, aux = [], []
+        for first, end in consecutive_runs(rows):
+            for r0, r1 in prefill_chunks(end - first, width, self.lean.heads):
+                r0, r1 = first + r0, first + r1
+                kv = slot.kv.rows(rows[r0], rows[r0] + r1 - r0)
+                cols = block_columns(torch.zeros(r1 - r0, dtype=torch.long, device=ids.device), width, slot.length)
+                out, states = self.lean.forward(ids[r0:r1], positions_from_mask(mask[r0:r1]), kv, cols,
+                                                prefill_mask(mask[r0:r1], self.lean.dtype), aux_layers,
+                                                last_only=True)
+                logits.append(out[:, -1].float())  # (rows, V)
+                aux.append(states)  # (rows, P, n·H) | None
+        return logits, aux
+
+    def _prefill_model(self, slot: Slot, rows: list[int], ids: torch.Tensor, mask: torch.Tensor,
+                       aux_layers: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """transformers' forward in row chunks (hooks on the model see an ordinary padded batch), its keys and
+        values then copied into the slot's rows, the aux states read by forward hooks."""
         from transformers import DynamicCache
 
-        rows, width = ids.shape
+        width = ids.shape[1]
+        index = torch.tensor(rows, dtype=torch.long, device=ids.device)  # (k,)
         logits, aux = [], []
-        for r0, r1 in prefill_chunks(rows, width, self.lean.heads):  # bounded activations and attention scores
+        for r0, r1 in prefill_chunks(len(rows), width, self.lean.heads):  # bounded activations and attention scores
             cache = DynamicCache(config=self.model.config)
             with self._taps(aux_layers) as seen:
                 out = self.model(input_ids=ids[r0:r1], attention_mask=mask[r0:r1],
@@ -167,8 +234,7 @@ class Runtime:
             if aux_layers:
                 aux.append(torch.cat([seen[k] for k in aux_layers], dim=-1))  # (rows, P, n·H)
             del cache, out
-        slot.start[index] = width - mask.sum(-1)
-        return torch.cat(logits), (torch.cat(aux) if aux_layers else None)
+        return logits, aux
 
     @contextmanager
     def _taps(self, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:

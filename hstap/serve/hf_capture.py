@@ -80,14 +80,18 @@ def warm_up(app) -> None:
 
 
 def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8, drafter=None,
-                       draft: str | None = None, warmup: bool = False):
+                       draft: str | None = None, warmup: bool = False, prefill: str = "model"):
     """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given (they read prefill only, so
-    they work with speculative decoding too); `warmup` runs `warm_up` first."""
+    they work with speculative decoding too); `warmup` runs `warm_up` first.
+
+    `prefill` is the runtime's prefill path: "model" by default, because the taps are hooks on the transformers
+    model and the runtime's lean prefill never calls it (taps may also be put on later, as the tests do); `main`
+    passes "lean" only when it serves without capture, where nothing hooks the model."""
     from hstap.capture.engine import session_for
     from hstap.capture.hf_engine import HfEngineTaps
     from hstap.serve.hf_server import create_app
 
-    app = create_app(target, model_name, max_batch=max_batch, drafter=drafter, draft=draft)
+    app = create_app(target, model_name, max_batch=max_batch, drafter=drafter, draft=draft, prefill=prefill)
     add_completions(app, model_name)
     if warmup:
         warm_up(app)
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"hstap hf engine: speculative decoding, {args.draft or 'chain:3'} from {args.drafter}", flush=True)
         name = args.name or target.model_id
         app = create_capture_app(target, name, cfg, max_batch=args.max_batch, drafter=drafter, draft=args.draft,
-                                 warmup=True)
+                                 warmup=True, prefill="model" if cfg is not None else "lean")
     except HstapError as exc:
         sys.exit(f"hstap hf engine: error: {exc}")
     print(f"hstap hf engine: warm-up done, serving {name} on http://{args.host}:{args.port}", flush=True)

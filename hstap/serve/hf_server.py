@@ -57,10 +57,11 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: int = 256, drafter=None,
-               draft: str | None = None) -> FastAPI:
+               draft: str | None = None, prefill: str = "lean") -> FastAPI:
     """A FastAPI app answering as `model_name` with `target` (a `hstap.models.Target`); `drafter` (an
-    Eagle3Drafter on the target's device) and/or `draft` (a draft shape) turn on speculative decoding."""
-    engine = Engine(target, max_batch=max_batch, drafter=drafter, draft=draft)
+    Eagle3Drafter on the target's device) and/or `draft` (a draft shape) turn on speculative decoding. `prefill`:
+    the runtime's prefill path ("lean", or "model" when hooks on the model must see the prompts: hf_capture)."""
+    engine = Engine(target, max_batch=max_batch, drafter=drafter, draft=draft, prefill=prefill)
     served = {"requests": 0, "completion_tokens": 0}
     tokenizer = target.tokenizer
 

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 
 class EmbeddedBackend:
-    """The synth Backend over an Engine: renders the chat exactly as capture will, queues it, decodes the answer."""
+    """The synth Backend over an Engine: renders the chat exactly as capture will, queues it, decodes the answer.
+
+    The Engine keeps the runtime's lean prefill: nothing hooks the model here (the hidden states are captured
+    later, by `hstap capture`'s own forward over the finished conversations)."""
 
     def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, compile_step: bool = False,
                  continuous: bool | None = None):

@@ -90,6 +90,7 @@ class MagpieSampler:
                          ["input_ids"] for cat in CATEGORIES for k, system in enumerate(SYSTEM_PROMPTS[cat])}
         added = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
         self.special_strings = sorted(set(added) | set(self.tokenizer.all_special_tokens))
+        # the runtime's lean prefill (Engine's default): nothing hooks the model while prompts are sampled
         self.engine = Engine(target, max_batch=batch_size, cuda_graphs=cuda_graphs, seed=seed)
 
     def round(self, start: int) -> list[Candidate]:

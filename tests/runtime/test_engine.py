@@ -175,8 +175,9 @@ def test_chunked_prefill_equals_one_forward(target, monkeypatch):
     whole = run()
     monkeypatch.setattr(target_module, "PREFILL_TOKENS", 6)  # one 6-token row per forward
     chunked = run()
-    # One padded forward and three unpadded ones take different SDPA paths (masked vs causal): fp32 rounding
-    # through 30 layers moves a logit by up to ~4e-3 of ~33 (CI, 2026-12-01; 1e-4 of the row's norm). A row
+    # One padded forward and three one-row ones round differently: transformers' prefill takes different SDPA
+    # paths (masked vs causal), the lean one (the default) other GEMM shapes; fp32 rounding through 30 layers
+    # moved a logit by up to ~4e-3 of ~33 (CI, 2026-12-01, transformers' prefill; 1e-4 of the row's norm). A row
     # loaded at the wrong offset or logits concatenated out of order differ by O(1), so bound each row's
     # relative error at 1e-3 and require the same next token.
     assert torch.equal(chunked[0].argmax(-1), whole[0].argmax(-1))
