@@ -107,7 +107,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   step r0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
     tests/drafter/test_fused.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
-    tests/runtime/test_gpu.py tests/capture/test_tap.py &
+    tests/runtime/test_gpu.py tests/runtime/test_prefill.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
   # a drafter continued across sessions meets new prompts each session: the seed is the number of sessions the
   # shipped drafter has had (this session's was 0 on 2026-12-02), unless PROMPT_SEED says otherwise
@@ -185,10 +185,13 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   # SHAPES="..." replaces the list; EAGER_AB=1 adds the @eager arms (measured on 2026-12-02: 1.52x -> 1.70x chain)
   local SHAPES=${SHAPES:-"ngram:3 chain:3 hybrid:4,2 tree:4,4,16 tree:8,8,60"}
   [ -n "${EAGER_AB:-}" ] && SHAPES="$SHAPES chain:3@eager tree:8,8,60@eager"
+  # the runtime's two prefill paths side by side first (issue 17: the lean prefill's first GPU run, ~1 min)
+  step r4_prefill env CUDA_VISIBLE_DEVICES=0 $PY bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 \
+    --reps 20
   lane step r4_spec_b1 env CUDA_VISIBLE_DEVICES=0 $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda \
     --dtype bf16 --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES \
     || step r4_spec_b1_unfused $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 \
-      --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES --eager-drafting
+      --batch 1 --log "$RUN/results/spec_b1.jsonl" --shapes $SHAPES --eager-drafting --prefill model
   if [ "$NGPU" -gt 1 ]; then
     step r4_spec_third env CUDA_VISIBLE_DEVICES=1 $PY bench/spec_decode.py --drafter "$RUN/drafter_third" \
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"

@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="the same code, eagerly (for comparison)")
     ap.add_argument("--eager-drafting", action="store_true",
                     help="no compiled graph bodies for any shape (as if every shape had @eager)")
+    ap.add_argument("--prefill", choices=["lean", "model"], default="lean",
+                    help="the runtime's prefill: LeanLlama's forward (default) or transformers' (the path before "
+                         "2026-12-03)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.table:
@@ -180,7 +183,7 @@ def main() -> None:
         t0 = time.perf_counter()
         evaluate_shapes(target.model, drafter, prompts, shapes, args.max_new_tokens, set(target.stop_ids),
                         on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs,
-                        fused=False if args.eager_drafting else None)
+                        fused=False if args.eager_drafting else None, prefill=args.prefill)
         print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

@@ -61,12 +61,14 @@ class Methods:
     """Vanilla decoding and speculative decoders of any shape over one runtime (one set of graphs per shape)."""
 
     def __init__(self, model: torch.nn.Module, drafter: Eagle3Drafter | None, batch_size: int, max_len: int,
-                 shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None):
+                 shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None,
+                 prefill: str = "lean"):
         # one cache length for the whole run (prompt + answer + the largest shape's draft columns): every batch
         # replays the same graphs
         reserve = max([SpecDecoder.reservation(s) for s in shapes], default=0)
         length = -(-(max_len + reserve) // LEN_BUCKET) * LEN_BUCKET
-        self.runtime = Runtime(model, batch_size, max_len, cuda_graphs, len_bucket=length, max_slots=1)
+        self.runtime = Runtime(model, batch_size, max_len, cuda_graphs, len_bucket=length, max_slots=1,
+                               prefill=prefill)  # "model": transformers' forward (a bench's A/B of the two)
         self.drafter, self.fused = drafter, fused  # fused: compiled graph bodies (SpecDecoder; default on CUDA)
         self.decoders: dict[str, SpecDecoder] = {}
         self.pad_id = 0
