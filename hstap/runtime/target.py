@@ -7,9 +7,17 @@ transformers' forward used to do it (eager, ~50 kernels a layer, a DynamicCache 
 ~30 ms a prompt on an H200, ~5 % of the speculative speedup. It equals transformers' prefill (fp32: logits, cache
 rows and aux to rounding; tests/runtime/test_prefill.py). `prefill="model"` keeps transformers' forward, for
 callers whose hooks on the model must see the prompts as an ordinary padded batch (the `hf` engine's capture
-taps). Every later forward — a decode step, a verification block — is `LeanLlama.forward` over that cache,
-captured once per (slot, shape) on CUDA. Slots are caches of one length bucket (LRU, `max_slots`); a graph has
-one batch size, so a smaller batch steps with dummy rows that see nothing but themselves.
+taps). With graphs (CUDA, or `rehearse`) a whole-batch lean prefill is replayed from a CUDA graph too: eagerly it
+is ~600 kernel launches (~14 ms a prompt on an H200) for well under 1 ms of arithmetic. Its batch is left-padded
+further to a width bucket W (P rounded up to PREFILL_BUCKET) and all slot rows run, one graph per (W, aux layers)
+in the slot; extra padding changes nothing real (positions count real tokens, padding keys are masked), so the
+caller sees the logits and its P aux columns as before, with start = W − length and write_at = W. It stays eager
+where the bucket would need a bigger slot than the prompt's (a new cache drops every graph), where rows × W passes
+GRAPH_PREFILL_TOKENS (synth's 256 long rows), for `admit` (continuous batching) and for `prefill="model"`. A
+caller laying out columns itself pads to `prefill_width` first (SpecDecoder). Every later forward — a decode
+step, a verification block — is `LeanLlama.forward` over that cache, captured once per (slot, shape) on CUDA.
+Slots are caches of one length bucket (LRU, `max_slots`); a graph has one batch size, so a smaller batch steps
+with dummy rows that see nothing but themselves.
 
     rt = Runtime(model, batch_size=8, max_len=4096)                # graphs on CUDA, eager on a CPU; prefill="model"
                                                                    # for transformers' forward (hooks see it)
