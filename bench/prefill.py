@@ -1,14 +1,18 @@
-"""The runtime's two prefill paths side by side: transformers' forward (`Runtime(prefill="model")`, a DynamicCache
-copied into the static cache, hooks for the aux layers) against LeanLlama's (`prefill="lean"`, written in place),
-same prompts, same process, with and without the drafter's aux layers.
+"""The runtime's prefill paths side by side: transformers' forward (`Runtime(prefill="model")`, a DynamicCache
+copied into the static cache, hooks for the aux layers), LeanLlama's eager forward (`prefill="lean"`, written in
+place; `prefill_bucket=0`), and that forward replayed from a CUDA graph per padded width ("lean+graph", the
+default on CUDA: the batch left-padded to a multiple of PREFILL_BUCKET), same prompts, same process, with and
+without the drafter's aux layers.
 
     python bench/prefill.py [--device cpu|cuda] [--lengths 64 256 1024] [--batch 1] [--reps 10] [--threads 2]
     python bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 --reps 20   # the H200 recipe's
 
 Prompts are random token ids of `--lengths` tokens; every other row is a quarter shorter, left-padded (the padding
 mask is exercised, as in real batches). A call is `rt.prefill(ids, mask, 256[, aux_layers])`, what the
-speculative decoder runs per batch. Median of `--reps` after two warm-ups, the two paths alternating call by call
-(a shared machine's drift hits both alike); ms per prompt = ms per call / batch.
+speculative decoder runs per batch. Median of `--reps` after two warm-ups, the paths alternating call by call
+(a shared machine's drift hits both alike); ms per prompt = ms per call / batch. The graph runtime has exactly
+`rows` rows (a graph runs all of its runtime's rows); where it would not take the graph path (a CPU: no graphs;
+rows x bucket past GRAPH_PREFILL_TOKENS) or its capture fails (out of memory), its column says why instead.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Callable
 
 import torch
 
+from hstap.errors import first_line
 from hstap.models import load_target
-from hstap.runtime.target import PREFILL_PATHS, Runtime
+from hstap.runtime.target import GRAPH_PREFILL_TOKENS, PREFILL_BUCKET, Runtime
 
 AUX_LAYERS = [1, 14, 26]  # the EAGLE-3 drafter's taps on SmolLM2 (30 layers)
 NEW_TOKENS = 256
@@ -77,28 +82,70 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_target("smollm2", device=args.device).model
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    longest = max(args.lengths) + NEW_TOKENS
-    runtimes = {path: Runtime(model, batch_size=max(args.batch), max_len=longest, len_bucket=longest, max_slots=1,
-                              prefill=path) for path in PREFILL_PATHS}
+    longest = -(-max(args.lengths) // PREFILL_BUCKET) * PREFILL_BUCKET + NEW_TOKENS  # the widest bucket fits
+    runtimes = {"model": Runtime(model, batch_size=max(args.batch), max_len=longest, len_bucket=longest,
+                                 max_slots=1, prefill="model"),
+                "lean": Runtime(model, batch_size=max(args.batch), max_len=longest, len_bucket=longest,
+                                max_slots=1, prefill_bucket=0)}
     rows = []
     with torch.inference_mode():
         for batch in args.batch:
+            graphed: Runtime | None = Runtime(model, batch_size=batch, max_len=longest, len_bucket=longest,
+                                              max_slots=1)  # one slot: its graphs serve every length below
             for length in args.lengths:
                 ids, mask = padded_batch(batch, length, model.config.vocab_size, args.device)
                 for aux in ((), AUX_LAYERS):
                     calls = {path: (lambda rt=rt, aux=aux: rt.prefill(ids, mask, NEW_TOKENS, aux_layers=aux))
                              for path, rt in runtimes.items()}
+                    why = why_eager(graphed, length, batch)
+                    if not why:
+                        why = try_graph(graphed, ids, mask, aux, sync)
+                        if why:
+                            graphed = None  # a failed capture may leave its slot unusable: the next rows go eager
+                    if not why:
+                        calls["lean+graph"] = lambda rt=graphed, aux=aux: rt.prefill(ids, mask, NEW_TOKENS,
+                                                                                     aux_layers=aux)
                     ms = alternating_medians(calls, args.reps, sync)
-                    rows.append((length, batch, aux, ms["model"] / batch, ms["lean"] / batch))
+                    rows.append((length, batch, aux, {k: v / batch for k, v in ms.items()}, why))
     dev = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"{cpu_name()}, {torch.get_num_threads()} threads"
     print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, dtype {model.dtype}")
     print(f"command: python {' '.join(sys.argv)}")
-    print("| prompt tokens | rows | aux layers | model ms/prompt | lean ms/prompt | model / lean |\n"
-          "|---:|---:|---|---:|---:|---:|")
-    for length, batch, aux, model_ms, lean_ms in rows:
-        print(f"| {length} | {batch} | {','.join(map(str, aux)) or '-'} | {model_ms:.2f} | {lean_ms:.2f} | "
-              f"{model_ms / lean_ms:.2f} |")
+    print("| prompt tokens | rows | aux layers | model ms/prompt | lean ms/prompt | lean+graph ms/prompt | "
+          "model / lean | lean / lean+graph |\n|---:|---:|---|---:|---:|---:|---:|---:|")
+    for length, batch, aux, ms, why in rows:
+        graph = f"{ms['lean+graph']:.2f}" if "lean+graph" in ms else f"— ({why})"
+        ratio = f"{ms['lean'] / ms['lean+graph']:.2f}" if "lean+graph" in ms else "—"
+        print(f"| {length} | {batch} | {','.join(map(str, aux)) or '-'} | {ms['model']:.2f} | {ms['lean']:.2f} | "
+              f"{graph} | {ms['model'] / ms['lean']:.2f} | {ratio} |")
+
+
+def why_eager(rt: Runtime | None, length: int, batch: int) -> str:
+    """Why the graph runtime would not replay a graph for this prefill ("" when it would)."""
+    if rt is None:
+        return "eager: an earlier capture failed"
+    if rt.graph_bucket(length, NEW_TOKENS) is not None:
+        return ""
+    if not (rt.cuda_graphs or rt.rehearse):
+        return "no CUDA graphs on a CPU: it is the lean column"
+    bucket = -(-length // rt.prefill_bucket) * rt.prefill_bucket
+    if batch * bucket > GRAPH_PREFILL_TOKENS:
+        return f"eager: {batch} rows x {bucket} columns past GRAPH_PREFILL_TOKENS {GRAPH_PREFILL_TOKENS}"
+    return f"eager: a {bucket}-column bucket does not fit the slot"
+
+
+def try_graph(rt: Runtime, ids: torch.Tensor, mask: torch.Tensor, aux: list[int], sync: Callable[[], None]) -> str:
+    """Capture the graph of this prefill once (outside the timing); → "" or why it failed (then eager)."""
+    try:
+        rt.prefill(ids, mask, NEW_TOKENS, aux_layers=aux)
+        sync()
+        return ""
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # a capture out of memory must not end the bench
+        rt.slots.clear()
+        rt.slot = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return f"eager: the capture failed ({first_line(e)[:80]})"
 
 
 if __name__ == "__main__":

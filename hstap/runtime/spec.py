@@ -32,7 +32,7 @@ from hstap.runtime.graphs import InCapture, StageClock, graph_body
 from hstap.runtime.kv import ancestors, block_columns, with_root
 from hstap.runtime.sampling import sample, target_probs
 from hstap.runtime.shapes import DraftShape
-from hstap.runtime.target import Runtime, Slot
+from hstap.runtime.target import Runtime, Slot, pad_left
 
 
 @dataclass
@@ -122,6 +122,9 @@ class SpecDecoder:
         temps = temperature if isinstance(temperature, list) else [temperature] * rows
         top_ps = top_p if isinstance(top_p, list) else [top_p] * rows
         ids, mask = left_pad(prompts, pad_id, self.rt.device)
+        # padded here to the width the runtime prefills at (a graph's bucket): the history and the drafter's
+        # step-0 entries below are laid out by these columns, which must be the cache's (write_at = that width)
+        ids, mask = pad_left(ids, mask, self.rt.prefill_width(ids.shape[1], max_new_tokens, self.reserve), pad_id)
         if self.clock:
             self.clock.start()
         out = self.rt.prefill(ids, mask, max_new_tokens, self.reserve, self.aux_layers)

@@ -7,9 +7,17 @@ transformers' forward used to do it (eager, ~50 kernels a layer, a DynamicCache 
 ~30 ms a prompt on an H200, ~5 % of the speculative speedup. It equals transformers' prefill (fp32: logits, cache
 rows and aux to rounding; tests/runtime/test_prefill.py). `prefill="model"` keeps transformers' forward, for
 callers whose hooks on the model must see the prompts as an ordinary padded batch (the `hf` engine's capture
-taps). Every later forward — a decode step, a verification block — is `LeanLlama.forward` over that cache,
-captured once per (slot, shape) on CUDA. Slots are caches of one length bucket (LRU, `max_slots`); a graph has
-one batch size, so a smaller batch steps with dummy rows that see nothing but themselves.
+taps). With graphs (CUDA, or `rehearse`) a whole-batch lean prefill is replayed from a CUDA graph too: eagerly it
+is ~600 kernel launches (~14 ms a prompt on an H200) for well under 1 ms of arithmetic. Its batch is left-padded
+further to a width bucket W (P rounded up to PREFILL_BUCKET) and all slot rows run, one graph per (W, aux layers)
+in the slot; extra padding changes nothing real (positions count real tokens, padding keys are masked), so the
+caller sees the logits and its P aux columns as before, with start = W − length and write_at = W. It stays eager
+where the bucket would need a bigger slot than the prompt's (a new cache drops every graph), where rows × W passes
+GRAPH_PREFILL_TOKENS (synth's 256 long rows), for `admit` (continuous batching) and for `prefill="model"`. A
+caller laying out columns itself pads to `prefill_width` first (SpecDecoder). Every later forward — a decode
+step, a verification block — is `LeanLlama.forward` over that cache, captured once per (slot, shape) on CUDA.
+Slots are caches of one length bucket (LRU, `max_slots`); a graph has one batch size, so a smaller batch steps
+with dummy rows that see nothing but themselves.
 
     rt = Runtime(model, batch_size=8, max_len=4096)                # graphs on CUDA, eager on a CPU; prefill="model"
                                                                    # for transformers' forward (hooks see it)
@@ -23,6 +31,7 @@ import gc
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -36,6 +45,8 @@ KV_BUDGET = 0.4  # on CUDA the slots' caches together may take at most this shar
 PREFILL_TOKENS = 1 << 16  # rows x width of one prefill forward; wider batches are prefilled in row chunks
 PREFILL_SCORES = 1 << 31  # rows x heads x width^2 attention scores of one prefill forward (the masked kernel's)
 PREFILL_PATHS = ("lean", "model")  # Runtime(prefill=...): LeanLlama's forward, or the transformers model's
+PREFILL_BUCKET = 64  # with graphs, a whole-batch prefill is left-padded to a multiple of this: one graph per bucket
+GRAPH_PREFILL_TOKENS = 8192  # batch x bucket width of a graph-replayed prefill; past it (synth's) it runs eagerly
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -86,6 +97,27 @@ def prefill_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return block_mask(column0, column0, width, tree, dtype)
 
 
+def pad_left(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids/mask [B, P] → [B, width ≥ P], more padding in front: positions count real tokens only and
+    the prefill mask hides padding keys, so every real token's logits, keys, values and aux stay what they were."""
+    extra = width - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return (torch.cat([ids.new_full((ids.shape[0], extra), pad_id), ids], dim=1),
+            torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1))
+
+
+@dataclass
+class PrefillBuffers:
+    """A slot's static buffers of graph-replayed prefills, views [:, :W] per bucket width W (so their memory is
+    one widest bucket's, not a sum over buckets): the inputs, and the outputs the caller gets copies of."""
+
+    ids: torch.Tensor  # (B, Wmax) long
+    mask: torch.Tensor  # (B, Wmax) long 0/1, dummy rows all 0
+    logits: torch.Tensor  # (B, V) fp32, the last position's
+    aux: dict[tuple[int, ...], torch.Tensor]  # aux layers → (B, Wmax, n·H) in the model dtype
+
+
 def consecutive_runs(rows: list[int]) -> list[tuple[int, int]]:
     """Ranges [a, b) of `rows` over which the slot rows count up by one, e.g. [4, 5, 6, 0, 1] → [(0, 3), (3, 5)]:
     each is one slice of the slot's cache, which a lean prefill writes in place."""
@@ -112,14 +144,16 @@ class Runtime:
     path does — capture warm-ups with their state restore, full-width attention — except capturing.
     `prefill`: "lean" (default) runs the prompts through `LeanLlama.forward`, written in place into the cache;
     "model" runs them through the transformers model, for callers whose hooks on it must see the prefill (the
-    `hf` engine's capture taps); both give the same logits, cache rows and aux states (fp32: to rounding)."""
+    `hf` engine's capture taps); both give the same logits, cache rows and aux states (fp32: to rounding).
+    `prefill_bucket`: with graphs, a whole-batch lean prefill is padded to a multiple of it and replayed from one
+    graph per width (`prefill_width`); 0 keeps every prefill eager."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, cuda_graphs: bool | None = None,
                  len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False,
-                 rehearse: bool = False, prefill: str = "lean"):
+                 rehearse: bool = False, prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET):
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {prefill!r}")
-        self.prefill_path = prefill
+        self.prefill_path, self.prefill_bucket = prefill, prefill_bucket
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
         self.lean = LeanLlama(model)
         self.device = self.lean.embed.device
@@ -144,13 +178,40 @@ class Runtime:
             raise ValueError(f"batch of {rows} rows exceeds the runtime's batch_size {self.batch_size}")
         if width + max_new_tokens > self.max_len:
             raise ValueError(f"{width} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
-        slot = self._fresh_slot(width + max_new_tokens + reserve)
+        bucket = self.graph_bucket(width, max_new_tokens, reserve)
+        ids, mask = pad_left(ids, mask, bucket or width)
+        padded = ids.shape[1]
+        slot = self._fresh_slot(padded + max_new_tokens + reserve)  # the same slot as for `width` (_graph_width)
         slot.rows = rows
-        slot.write_at.fill_(width)
-        slot.start.fill_(width)  # dummy rows: nothing to attend to but themselves
-        logits, aux = self._prefill_rows(slot, list(range(rows)), ids, mask, aux_layers)
-        slot.bound = width
-        return logits if not aux_layers else (logits, aux)
+        slot.write_at.fill_(padded)
+        slot.start.fill_(padded)  # dummy rows: nothing to attend to but themselves
+        if bucket:
+            logits, aux = self._prefill_graph(slot, ids, mask, tuple(aux_layers))
+        else:
+            logits, aux = self._prefill_rows(slot, list(range(rows)), ids, mask, aux_layers)
+        slot.bound = padded
+        return logits if not aux_layers else (logits, aux[:, padded - width:])  # the caller's P columns
+
+    def prefill_width(self, width: int, max_new_tokens: int, reserve: int = 0) -> int:
+        """The width `prefill` runs a [B, width] batch at: the graph bucket when it replays one, else `width`.
+        A caller that lays out columns itself (SpecDecoder's token history, the drafter's step-0 entries) pads
+        its prompts to this first, so that its columns agree with the cache's (write_at = this width)."""
+        return self.graph_bucket(width, max_new_tokens, reserve) or width
+
+    def graph_bucket(self, width: int, max_new_tokens: int, reserve: int = 0) -> int | None:
+        """The bucket width W ≥ width of a graph-replayed prefill, or None (eager): graphs on, the lean path, B·W
+        within GRAPH_PREFILL_TOKENS and one row chunk, and W plus the answer within max_len and the slot that
+        `width` gets anyway — a bigger slot would be a new cache and throw away every graph captured on this one
+        (the evaluation's Methods keeps one slot of a fixed length)."""
+        step = self.prefill_bucket
+        if step <= 0 or not (self.cuda_graphs or self.rehearse) or self.prefill_path != "lean":
+            return None
+        bucket = -(-width // step) * step
+        length = self._slot_length(width + max_new_tokens + reserve)
+        fits = bucket + max_new_tokens + reserve <= length and bucket + max_new_tokens <= self.max_len
+        small = self.batch_size * bucket <= GRAPH_PREFILL_TOKENS and \
+            len(prefill_chunks(self.batch_size, bucket, self.lean.heads)) == 1
+        return bucket if fits and small else None
 
     def open_slot(self, length: int) -> Slot:
         """An empty slot of at least `length` columns, every row idle (nothing to attend to), for continuous
@@ -176,9 +237,12 @@ class Runtime:
         slot.bound = max(slot.bound, width)  # the eager path attends to columns [0, bound + block)
         return logits
 
+    def _slot_length(self, need: int) -> int:
+        return -(-need // self.len_bucket) * self.len_bucket
+
     def _fresh_slot(self, need: int) -> Slot:
         self.slot = None  # an evicted slot's cache must be free before the next one is allocated
-        slot = self.slot = self._get_slot(-(-need // self.len_bucket) * self.len_bucket)
+        slot = self.slot = self._get_slot(self._slot_length(need))
         slot.eager = not (self.cuda_graphs or self.rehearse)
         return slot
 
@@ -212,6 +276,49 @@ class Runtime:
                 logits.append(out[:, -1].float())  # (rows, V)
                 aux.append(states)  # (rows, P, n·H) | None
         return logits, aux
+
+    def _prefill_graph(self, slot: Slot, ids: torch.Tensor, mask: torch.Tensor, aux_layers: tuple[int, ...],
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lean prefill of all slot.batch rows at the bucket width W of ids/mask [k, W], replayed from the
+        slot's graph ("prefill", W, aux_layers): ~600 kernel launches of an eager forward become one replay. Rows
+        past k are dummies (padding only, seeing themselves; their start stays W). → logits (k, V) fp32, aux
+        (k, W, n·H) | None: copies, as the eager path returns, not views of buffers the next prefill overwrites."""
+        rows, width = ids.shape
+        buf = self._prefill_buffers(slot, aux_layers)
+        buf.ids[:, :width].zero_()
+        buf.ids[:rows, :width].copy_(ids)
+        buf.mask[:, :width].zero_()
+        buf.mask[:rows, :width].copy_(mask)
+        self.graph(("prefill", width, aux_layers), lambda: self._prefill_body(slot, buf, width, aux_layers), [])()
+        slot.start[:rows] = width - mask.sum(-1)
+        aux = buf.aux[aux_layers][:rows, :width].clone() if aux_layers else None
+        return buf.logits[:rows].clone(), aux
+
+    def _prefill_buffers(self, slot: Slot, aux_layers: tuple[int, ...]) -> PrefillBuffers:
+        """The slot's prefill buffers, as wide as its widest possible bucket; an aux buffer per set of layers."""
+        if "prefill" not in slot.buffers:
+            cap = min(slot.length, GRAPH_PREFILL_TOKENS // slot.batch)
+            long = dict(dtype=torch.long, device=self.device)
+            slot.buffers["prefill"] = PrefillBuffers(
+                torch.zeros(slot.batch, cap, **long), torch.zeros(slot.batch, cap, **long),
+                torch.zeros(slot.batch, self.lean.vocab_size, dtype=torch.float32, device=self.device), {})
+        buf = slot.buffers["prefill"]
+        if aux_layers and aux_layers not in buf.aux:
+            hidden = self.lean.layers[0].ln1.shape[0]
+            buf.aux[aux_layers] = torch.zeros(slot.batch, buf.ids.shape[1], len(aux_layers) * hidden,
+                                              dtype=self.lean.dtype, device=self.device)
+        return buf
+
+    def _prefill_body(self, slot: Slot, buf: PrefillBuffers, width: int, aux_layers: tuple[int, ...]) -> None:
+        """The prefill graph's body: every tensor it reads or writes besides the cache is a view of `buf`; the
+        positions, the mask and the columns are computed inside it (in the slot's pool, not kept per bucket)."""
+        ids, mask = buf.ids[:, :width], buf.mask[:, :width]
+        cols = block_columns(torch.zeros(slot.batch, dtype=torch.long, device=self.device), width, slot.length)
+        out, states = self.lean.forward(ids, positions_from_mask(mask), slot.kv, cols,
+                                        prefill_mask(mask, self.lean.dtype), list(aux_layers), last_only=True)
+        buf.logits.copy_(out[:, -1])
+        if aux_layers:
+            buf.aux[aux_layers][:, :width].copy_(states)
 
     def _prefill_model(self, slot: Slot, rows: list[int], ids: torch.Tensor, mask: torch.Tensor,
                        aux_layers: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
