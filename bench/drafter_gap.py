@@ -37,8 +37,7 @@ from hstap.metrics import acceptance_length
 from hstap.runtime.shapes import DraftShape
 from hstap.models import load_target
 from hstap.train.data import OnlineSource
-from hstap.train.attention import TTTAttention
-from hstap.train.ttt import collate, shift_left, teacher_in_draft_vocab, ttt_forward
+from hstap.train.ttt import collate, shift_left, ttt_forward
 
 CONFIDENCE_BINS = (0.0, 0.3, 0.5, 0.8, 0.95, 1.01)  # the target's top-1 probability at the drafted token
 
@@ -82,7 +81,7 @@ def main() -> None:
           f"{every.numel()} ({100 * float(outside.float().mean()):.2f} %)")
     print("teacher-forced on the decoded sequences, top-1 per TTT step: "
           + ", ".join(f"{c / n:.3f}" for c, n in zip(out.step_correct, out.step_counted)))
-    for line in confidence_breakdown(drafter, batch, t2d):
+    for line in confidence_breakdown(out, batch):
         print(line)
     if args.grow:
         counts = assistant_counts(target.tokenizer, args.count_from, args.count_limit, drafter.config.vocab_size)
@@ -92,28 +91,20 @@ def main() -> None:
                   f"{int(outside.sum())} outside ({100 * float(outside.float().mean()):.2f} %)")
 
 
-@torch.no_grad()
-def confidence_breakdown(drafter, batch, t2d: torch.Tensor) -> list[str]:
-    """Step-0 top-1 agreement with the target's argmax (the trainer's alignment and counting: answer tokens whose
-    argmax is in the draft vocabulary), split by the target's own top-1 probability at that position."""
-    cfg = drafter.config
-    b, s = batch.input_ids.shape
-    positions = torch.arange(s).expand(b, s)
-    hidden = drafter.layer_step(shift_left(batch.input_ids, 1, 0), drafter.project(batch.aux), positions,
-                                TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads, "math"))
-    predicted = drafter.lm_head(drafter.norm(hidden)).argmax(-1)  # (B, S) draft ids
-    teacher_ids, _, inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d)
-    wanted = shift_left(teacher_ids[..., 0], 1, -1)  # (B, S) the target's argmax at t+1, in draft ids
-    sure = shift_left(batch.topk_logprobs[..., 0].float().exp(), 1, 0.0)  # (B, S) its probability
-    counted = shift_left(batch.loss_mask & batch.valid, 2, False) & shift_left(inside, 1, False) & batch.valid
-    hit = (predicted == wanted) & counted
-    total, lines = int(counted.sum()), ["step-0 top-1 by the target's own top-1 probability at the drafted token:"]
+def confidence_breakdown(out, batch) -> list[str]:
+    """Step-0 top-1 agreement with the target's argmax, split by the target's own top-1 probability there. The
+    agreement is `ttt_forward`'s own (its run lengths: ≥ 1 where step 0 agreed, countable where ≥ 1 was
+    countable), so the counting — answer tokens whose argmax is in the draft vocabulary — is the trainer's."""
+    counted, hit = out.run_valid >= 1, out.run_lengths >= 1  # (B, S)
+    sure = shift_left(batch.topk_logprobs[..., 0].float().exp(), 1, 0.0)  # (B, S) the target's top-1 prob at t+1
+    total, misses = int(counted.sum()), int((counted & ~hit).sum())
+    lines = ["step-0 top-1 by the target's own top-1 probability at the drafted token:"]
     for lo, hi in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:]):
         band = counted & (sure >= lo) & (sure < hi)
         n = int(band.sum())
         if n:
             lines.append(f"  p in [{lo:.2f}, {min(hi, 1.0):.2f}): {n / total:6.1%} of positions, top-1 "
-                         f"{int((hit & band).sum()) / n:.3f}, {int((band & ~hit).sum()) / max(1, int((counted & ~hit).sum())):6.1%} "
+                         f"{int((hit & band).sum()) / n:.3f}, {int((band & ~hit).sum()) / max(1, misses):6.1%} "
                          "of all misses")
     return lines
 
