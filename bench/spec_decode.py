@@ -36,6 +36,7 @@ from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
 from hstap.metrics import acceptance_length, tokens_per_second
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
+from hstap.runtime.target import PREFILL_BUCKET
 
 # the issue's goals, checked under the batch-1 table: (method, what, bound)
 GOALS = [("vanilla", "tok/s", 400.0), ("chain:3", "speedup/τ", 0.85), ("tree:8,8,60", "speedup/τ", 0.70)]
@@ -165,6 +166,9 @@ def main() -> None:
     ap.add_argument("--prefill", choices=["lean", "model"], default="lean",
                     help="the runtime's prefill: LeanLlama's forward (default) or transformers' (the path before "
                          "2026-12-03)")
+    ap.add_argument("--prefill-bucket", type=int, default=PREFILL_BUCKET,
+                    help="with CUDA graphs, the lean prefill is left-padded to a multiple of this and replayed from "
+                         "one graph per width (0: eager prefills, the path before 2026-12-03's second run)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.table:
@@ -183,7 +187,8 @@ def main() -> None:
         t0 = time.perf_counter()
         evaluate_shapes(target.model, drafter, prompts, shapes, args.max_new_tokens, set(target.stop_ids),
                         on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs,
-                        fused=False if args.eager_drafting else None, prefill=args.prefill)
+                        fused=False if args.eager_drafting else None, prefill=args.prefill,
+                        prefill_bucket=args.prefill_bucket)
         print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

@@ -30,6 +30,7 @@ from hstap.evaluate.config import EvalConfig
 from hstap.evaluate.report import write_report
 from hstap.runtime.shapes import DraftShape
 from hstap.evaluate.spec import Generation, Methods
+from hstap.runtime.target import PREFILL_BUCKET
 from hstap.metrics import acceptance_length, tokens_per_second
 
 
@@ -204,7 +205,8 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, promp
                     seed: int = 0, warmup: int = 1, progress: bool = True,
                     on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None,
                     batch_size: int = 1, cuda_graphs: bool | None = None, warm_each_batch: bool | None = None,
-                    fused: bool | None = None, prefill: str = "lean") -> tuple[MethodResult, list[MethodResult]]:
+                    fused: bool | None = None, prefill: str = "lean",
+                    prefill_bucket: int = PREFILL_BUCKET) -> tuple[MethodResult, list[MethodResult]]:
     """Vanilla decoding and every draft shape on every prompt, batch by batch, methods interleaved per batch.
 
     All methods share one runtime (its graphs are captured during the warm-up). Each batch is seeded with
@@ -215,12 +217,13 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, promp
     right after it, 2026-12-02), a cost of the shape's first use that vanilla, run first, paid too. On a CPU
     the methods' prefills cost the same, so it stays off there (the demo's evaluation time).
     `fused` (default: on CUDA): the decoders' graph bodies run compiled (hstap.runtime.spec.SpecDecoder).
-    `prefill`: the runtime's prefill path ("lean" or transformers' "model", hstap.runtime.target.Runtime).
+    `prefill`: the runtime's prefill path ("lean" or transformers' "model", hstap.runtime.target.Runtime);
+    `prefill_bucket`: with CUDA graphs, the width bucket of the graph-replayed prefill (0: eager prefills).
     `on_prompt(prompt, {method name: generation})` sees each prompt's results as its batch completes (a long
     benchmark logs them, so a run cut short still has its finished prompts). Returns (vanilla, one
     MethodResult per shape)."""
     longest = max(len(p.ids) for p in prompts) + max_new_tokens
-    methods = Methods(model, drafter, batch_size, longest, shapes, cuda_graphs, fused, prefill)
+    methods = Methods(model, drafter, batch_size, longest, shapes, cuda_graphs, fused, prefill, prefill_bucket)
     device = methods.runtime.device
 
     def run(shape: DraftShape | None, batch: list[Prompt], new_tokens: int, i: int) -> list[Generation]:

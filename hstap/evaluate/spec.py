@@ -29,7 +29,7 @@ from hstap.runtime.decode import Request, decode
 from hstap.runtime.graphs import StageClock
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder
-from hstap.runtime.target import LEN_BUCKET, Runtime
+from hstap.runtime.target import LEN_BUCKET, PREFILL_BUCKET, Runtime
 
 
 @dataclass
@@ -62,13 +62,14 @@ class Methods:
 
     def __init__(self, model: torch.nn.Module, drafter: Eagle3Drafter | None, batch_size: int, max_len: int,
                  shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None,
-                 prefill: str = "lean"):
+                 prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET):
         # one cache length for the whole run (prompt + answer + the largest shape's draft columns): every batch
         # replays the same graphs
         reserve = max([SpecDecoder.reservation(s) for s in shapes], default=0)
         length = -(-(max_len + reserve) // LEN_BUCKET) * LEN_BUCKET
         self.runtime = Runtime(model, batch_size, max_len, cuda_graphs, len_bucket=length, max_slots=1,
-                               prefill=prefill)  # "model": transformers' forward (a bench's A/B of the two)
+                               prefill=prefill, prefill_bucket=prefill_bucket)
+        # prefill "model": transformers' forward (a bench's A/B of the two); prefill_bucket 0: never graphed
         self.drafter, self.fused = drafter, fused  # fused: compiled graph bodies (SpecDecoder; default on CUDA)
         self.decoders: dict[str, SpecDecoder] = {}
         self.pad_id = 0

@@ -72,3 +72,27 @@ def test_a_bucket_past_the_slot_falls_back_to_eager(target, prompts):
     rt.prefill(ids, mask, 51)
     assert list(rt.slots) == [64] and rt.slot.graphs == {}
     assert rt.slot.write_at.tolist() == [13] * 4 and rt.slot.start[:2].tolist() == [0, 7]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graph_prefill_equals_eager_prefill_on_cuda(target, prompts):
+    """The real capture and replay (not the rehearsal) in fp32 on CUDA: logits, aux and the real cache columns as
+    the eager lean prefill's, the graph replayed (not recaptured) for a second batch of the same bucket."""
+    import copy
+
+    model = copy.deepcopy(target.model).cuda()
+    runtimes = [Runtime(model, batch_size=4, max_len=64, cuda_graphs=graphs, len_bucket=64, prefill_bucket=BUCKET)
+                for graphs in (False, True)]
+    eager, graph = runtimes
+    for lengths in ((13, 6, 9), (11, 15, 4)):
+        ids, mask = (t.cuda() for t in _batch(target, prompts, lengths))
+        width = ids.shape[1]
+        want_logits, want_aux = eager.prefill(ids, mask, 8, aux_layers=list(AUX))
+        got_logits, got_aux = graph.prefill(ids, mask, 8, aux_layers=list(AUX))
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=1e-3)
+        for row, n in enumerate(lengths):
+            torch.testing.assert_close(got_aux[row, width - n:], want_aux[row, width - n:], atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(graph.slot.kv.data[:, row, :, BUCKET - n:BUCKET],
+                                       eager.slot.kv.data[:, row, :, width - n:width], atol=1e-3, rtol=1e-3)
+    assert list(graph.slot.graphs) == [("prefill", BUCKET, AUX)]
