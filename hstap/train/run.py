@@ -242,11 +242,32 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource,
 
 def fit_to_budget(total: int, step: int, seconds_per_step: float, seconds_left: float) -> int:
     """The step count that ends the run about when the budget does. The LR schedule is fitted to it before step 1,
-    so a budgeted run warms up and decays fully instead of being cut off mid-schedule. Held-out evaluations at
-    epoch ends come on top of the estimate."""
+    so a budgeted run warms up and decays fully instead of being cut off mid-schedule. The run then re-fits it to
+    the steps it has really timed, held-out evaluations included (`refit_to_budget`)."""
     if step >= total:
         return total  # nothing left to fit: a finished run stays finished
     return max(step + 1, min(total, step + int(seconds_left / seconds_per_step)))
+
+
+REFIT_EVERY = 50  # a budgeted run re-fits its step count to the steps it has timed this often (and at epoch ends)
+
+
+def refit_to_budget(cap: int, step: int, seconds_per_step: float, seconds_left: float, eval_seconds: float,
+                    steps_per_epoch: int, step_in_epoch: int) -> int:
+    """`fit_to_budget` again mid-run, from the steps really timed so far instead of the probe's (on 2026-12-03 the
+    probe timed 0.73 s a step where the run then took 0.22, recompiles for new shapes among its 10 steps, and a
+    510-s budget trained for 148 s), and with the held-out evaluations still to come, `eval_seconds` each (the
+    epoch ends ahead, and the one at a mid-epoch stop), taken out of the budget. Never past `cap` (the
+    run's own end); `step` itself when the budget is spent (unlike the first fit, a refit may stop the run now)."""
+    def fit(seconds: float) -> int:
+        return max(step, min(cap, step + int(seconds / seconds_per_step)))
+
+    total = fit(seconds_left)
+    for _ in range(2):  # the evaluations depend on where the run ends, which depends on them: two passes settle it
+        ahead = step_in_epoch + (total - step)
+        evals = ahead // max(1, steps_per_epoch) + (ahead % max(1, steps_per_epoch) > 0)
+        total = fit(seconds_left - evals * eval_seconds)
+    return total
 
 
 def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
@@ -327,15 +348,18 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         log.write({"kind": "eval", "epoch": state.epoch, "step": state.step, **result})
         log.flush()  # a TensorBoard watching the run sees every evaluation as it lands
 
+    eval_started = time.perf_counter()
     initial = state.initial_heldout or (heldout_eval(calibrated=False) if dist.rank == 0 else {})
+    eval_seconds = time.perf_counter() - eval_started  # the last held-out evaluation's wall time (a budget's refits)
     if not state.initial_heldout and dist.rank == 0:
         log_eval(initial)
     state.initial_heldout = initial
 
     autocast = ttt_autocast(device)
-    total_steps = schedule.total  # a resumed budgeted run keeps the schedule it was fitted to
+    total_steps = cap = schedule.total  # a resumed budgeted run keeps the schedule it was fitted to
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
     start, tokens_this_run, first_step = time.perf_counter(), 0, state.step
+    refits = bool(cfg.time_budget_s and not schedule.fitted)  # fitted here (a resumed run keeps its fit)
     if cfg.time_budget_s and not schedule.fitted:
         mine = epoch_plan(state.epoch)[dist.rank::dist.world_size]
         seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast))
@@ -349,6 +373,24 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     last_eval = initial
     due = rundir.CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_interval_s)
     steps_from = time.perf_counter()  # the early estimate times training steps only (not the budget probe)
+    evals_took = 0.0  # of the time since steps_from, the epoch-end evaluations'
+
+    def refit(total: int) -> int:
+        """The budgeted run's step count from the steps timed so far (every rank agrees on the slowest)."""
+        if state.step == first_step:
+            return total
+        evals = dist.agree_max(evals_took)  # rank 0 evaluates; the others wait for it at the next collective
+        per_step = dist.agree_max((time.perf_counter() - steps_from - evals) / (state.step - first_step))
+        left = cfg.time_budget_s - (time.perf_counter() - start)
+        fitted = refit_to_budget(cap, state.step, per_step, left, dist.agree_max(eval_seconds), steps_per_epoch,
+                                 state.step_in_epoch)
+        if fitted != total:
+            log.write({"kind": "budget_refit", "step": state.step, "seconds_per_step": per_step,
+                       "total_steps": fitted})
+            bar.total = fitted
+            bar.refresh()
+        return fitted
+
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
@@ -375,12 +417,19 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
                 due.saved()
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
+            if refits and (state.step - first_step) % REFIT_EVERY == 0 and state.step < total_steps:
+                schedule.total = total_steps = refit(total_steps)
         if state.step_in_epoch >= len(plan) // batches_per_step:
             state.epoch += 1
             state.step_in_epoch = 0
             if dist.rank == 0:
+                eval_started = time.perf_counter()
                 last_eval = heldout_eval()
                 log_eval(last_eval)
+                eval_seconds = time.perf_counter() - eval_started
+                evals_took += eval_seconds
+            if refits and state.step < total_steps:
+                schedule.total = total_steps = refit(total_steps)
     bar.close()
     # a run that stops mid-epoch (a step or time budget) is judged where it stopped, not at its last epoch's end
     if dist.rank == 0 and (last_eval is initial or state.step_in_epoch > 0):

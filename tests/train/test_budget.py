@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hstap.train.run import fit_to_budget, probe_sizes
+from hstap.train.run import fit_to_budget, probe_sizes, refit_to_budget
 
 # (total, step, seconds_per_step, seconds_left, expected): expected worked out by hand as
 # min(total, step + whole steps that fit in seconds_left), at least step + 1
@@ -49,3 +49,20 @@ def test_fitted_count_grows_with_the_budget_and_stays_within_bounds(step):
 ])
 def test_probe_sizes(batches, expected):
     assert probe_sizes(batches) == expected
+
+
+# (cap, step, seconds_per_step, seconds_left, eval_seconds, steps_per_epoch, step_in_epoch, expected), by hand
+REFITS = [
+    pytest.param(1000, 100, 1.0, 500.0, 0.0, 200, 100, 600, id="no-evaluations-is-fit_to_budget"),
+    # 440 steps + evaluations at the epoch ends after 100 and 300 more steps and at the stop 140 steps into an
+    # epoch: 3 × 20 s; 440 + 60 = 500
+    pytest.param(1000, 100, 1.0, 500.0, 20.0, 200, 100, 540, id="three-evaluations-ahead"),
+    pytest.param(300, 100, 1.0, 500.0, 20.0, 200, 100, 300, id="capped-by-the-run"),
+    pytest.param(1000, 100, 1.0, 5.0, 20.0, 200, 100, 100, id="budget-spent-stops-now"),
+    pytest.param(1000, 100, 1.0, -3.0, 0.0, 200, 100, 100, id="budget-overrun-stops-now"),
+]
+
+
+@pytest.mark.parametrize("cap, step, per_step, left, eval_s, per_epoch, in_epoch, expected", REFITS)
+def test_refit_to_budget(cap, step, per_step, left, eval_s, per_epoch, in_epoch, expected):
+    assert refit_to_budget(cap, step, per_step, left, eval_s, per_epoch, in_epoch) == expected
