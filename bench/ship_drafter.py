@@ -8,7 +8,8 @@ DRAFTER is the bf16 copy without the embedding that the recipe ships back (`ship
 bench/h200_recipe.sh); --run-dir holds that run's metrics.jsonl and train_config.json (steps, tokens, settings);
 --spec-log is the MT-bench log of that drafter (`bench/spec_decode.py --log`), whose τ and speedups are recorded.
 Refused when the new drafter is for another target or layers, or when the run did not start from the shipped one
-(`--init-from NAME`) and `--from-zero` is not given: a shipped drafter's history must stay one chain of sessions.
+(`--init-from NAME`, or `--continued-from PATH` for a second training in one session from the drafter its first
+training shipped) and `--from-zero` is not given: a shipped drafter's history must stay one chain of sessions.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main() -> None:
     ap.add_argument("--command", required=True, help="the command that trained it")
     ap.add_argument("--name", default="smollm2-recipe")
     ap.add_argument("--from-zero", action="store_true", help="start a new history (the run did not --init-from NAME)")
+    ap.add_argument("--continued-from", metavar="PATH",
+                    help="the run's --init-from was this path: the drafter a first training of the same device "
+                         "session had shipped (a second segment of that session; ship the first one before it)")
     args = ap.parse_args()
     dest = SHIPPED / args.name
     new = DrafterConfig.load(args.drafter / "config.json")
@@ -66,7 +70,7 @@ def main() -> None:
         if (old.target_fingerprint, old.aux_layer_ids) != (new.target_fingerprint, new.aux_layer_ids):
             raise SystemExit(f"{args.drafter}: target {new.target_fingerprint} layers {new.aux_layer_ids}, the shipped "
                              f"{args.name} is for {old.target_fingerprint} layers {old.aux_layer_ids}")
-    if not args.from_zero and session["init_from"] != args.name:
+    if not args.from_zero and session["init_from"] not in (args.name, args.continued_from):
         raise SystemExit(f"{args.run_dir} started from {session['init_from']!r}, not {args.name!r}: pass --from-zero "
                          "to replace the shipped drafter's history")
     sessions = [] if args.from_zero else provenance.get("sessions", [])
