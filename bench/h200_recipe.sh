@@ -189,6 +189,10 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   # the runtime's two prefill paths side by side first (issue 17: the lean prefill's first GPU run, ~1 min)
   step r4_prefill env CUDA_VISIBLE_DEVICES=0 $PY bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 \
     --reps 20
+  # what a Q-token verification costs over a 1-token step, kernel by kernel (random SmolLM2-shaped weights, ~25 s):
+  # on 2026-12-03 a 2-token block cost +0.20 ms, half of it the q rows' fold copy that rotary_qk now avoids
+  step r4_verify_cost env CUDA_VISIBLE_DEVICES=0 $PY bench/verify_cost.py --device cuda --tokens 1 2 4 16 61 \
+    --reps 10 --no-gemm
   # the graph-replayed prefill's first CUDA run is that bench's lean+graph column: should a capture have failed
   # there, MT-bench prefills eagerly from the start (a failed MT-bench run costs ~5 min of the session)
   local PF=""

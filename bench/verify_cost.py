@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 61])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=12, help="kernel names shown per Q")
+    ap.add_argument("--no-gemm", action="store_true", help="leave out the per-shape GEMM table")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -142,7 +143,8 @@ def main() -> None:
                  prefill_bucket=0)
     ids = torch.randint(0, rt.lean.vocab_size, (1, args.prompt), device=rt.device)
     rt.prefill(ids, torch.ones_like(ids), 128)
-    replays = {q: graphed(body, cuda) for q, body in forward_bodies(rt, args.tokens).items()}
+    bodies = forward_bodies(rt, args.tokens)  # kept: a graph reads its inputs' memory, which must stay theirs
+    replays = {q: graphed(body, cuda) for q, body in bodies.items()}
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, {args.model} weights, {dtype}, "
           f"prompt {args.prompt} tokens in the cache, batch 1")
@@ -155,7 +157,8 @@ def main() -> None:
 
     print("\n2. one GEMM of each shape, µs inside a graph\n\n| matmul | M | F.linear(x, W) | x @ Wt |\n"
           "|---|---:|---:|---:|")
-    for name, m, linear, matmul_t in gemm_table(rt, args.tokens, max(3, args.reps // 4), cuda):
+    for name, m, linear, matmul_t in ([] if args.no_gemm else gemm_table(rt, args.tokens, max(3, args.reps // 4),
+                                                                           cuda)):
         print(f"| {name} | {m} | {linear:.2f} | {matmul_t:.2f} |")
 
     base = kernel_profile(replays[args.tokens[0]], cuda)

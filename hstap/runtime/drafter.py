@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter, draft_to_target_ids
-from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotate
+from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotary_qk
 from hstap.runtime.graphs import InCapture
 from hstap.runtime.kv import KVCache
 
@@ -91,11 +91,11 @@ class LeanDrafter:
                        F.rms_norm(hidden, shape, self.hidden_norm, self.eps)], dim=-1)  # (B, Q, 2H)
         cos, sin = rope_tables(positions, self.inv_freq, 1.0, hidden.dtype)  # (B, Q, hd)
         qkv = F.linear(x, self.qkv).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
-        qk = rotate(qkv[:, :, : nh + nkv], cos, sin)
-        kv.write(0, kv.write_index(cols), qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))
+        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, G·Q, hd), (B, Q, nkv, hd)
+        kv.write(0, kv.write_index(cols), k.transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))
         span = mask.shape[-1]  # the cache prefix the mask covers
-        out = cache_attention(qk[:, :, :nh], kv.keys(0)[:, :, :span], kv.values(0)[:, :, :span],
-                              group_mask(mask, nh // nkv), hd ** -0.5)  # (B, Q, nh·hd)
+        out = cache_attention(rows, kv.keys(0)[:, :, :span], kv.values(0)[:, :, :span],
+                              group_mask(mask, nh // nkv), hd ** -0.5, s)  # (B, Q, nh·hd)
         hidden = hidden + F.linear(out, self.o)
         gate, up = F.linear(F.rms_norm(hidden, shape, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, self.down)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.errors import HstapError
-from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotate
+from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotary_qk
 from hstap.runtime.kv import KVCache
 
 
@@ -139,9 +139,9 @@ class LeanLlama:
         b, s, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
-        qk = rotate(qkv[:, :, : nh + nkv], cos, sin)  # (B, Q, nh+nkv, hd)
-        kv.write(i, index, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
+        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, G·Q, hd), (B, Q, nkv, hd)
+        kv.write(i, index, k.transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
         span = mask.shape[-1]
-        out = cache_attention(qk[:, :, :nh], kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask,
-                              self.scale)  # (B, Q, nh·hd)
+        out = cache_attention(rows, kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask, self.scale,
+                              s)  # (B, Q, nh·hd)
         return F.linear(out, layer.o, layer.o_bias)
