@@ -182,9 +182,8 @@ def test_empty_store_and_resume_layer_mismatch(small_store, tmp_path):
         run_train(TrainConfig(store=small_store, out=out, resume=True, **FAST), progress=False)
 
 
-def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_path, monkeypatch):
-    """A fake clock (one second per batch fetched): the probe fits the run to the budget before step 1, the
-    schedule warms up and reaches zero at the fitted end, and a resumed run keeps the fitted schedule."""
+def _batch_clock(monkeypatch) -> dict[str, float]:
+    """The trainer's clock made fake: it stands still except for one second per batch fetched."""
     import hstap.train.run as run_module
 
     clock = {"t": 0.0}
@@ -196,6 +195,13 @@ def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_
 
     monkeypatch.setattr(run_module, "load_batch", load_tick)
     monkeypatch.setattr(run_module.time, "perf_counter", lambda: clock["t"])
+    return clock
+
+
+def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_path, monkeypatch):
+    """A fake clock (one second per batch fetched): the probe fits the run to the budget before step 1, the
+    schedule warms up and reaches zero at the fitted end, and a resumed run keeps the fitted schedule."""
+    clock = _batch_clock(monkeypatch)
     budget = 30  # the probe's batches (at most 13), then one-second steps
     cfg = TrainConfig(store=small_store, out=tmp_path / "run", epochs=50, batch_tokens=256, time_budget_s=budget,
                       checkpoint_every=1000, **FAST)
@@ -217,19 +223,9 @@ def test_a_budgeted_run_refits_to_the_steps_it_times(small_store, tmp_path, monk
     """A probe that times 4 s a step where steps then take 1 s (a fake clock, one second per batch fetched; on an
     H200 on 2026-12-03, 0.73 s against 0.22 s): the run re-fits its step count to the steps it has timed and
     fills the budget instead of stopping at a quarter of it, with the schedule decayed to zero at the new end."""
-    import hstap.train.run as run_module
-
-    clock = {"t": 0.0}
-    real_load = run_module.load_batch
-
-    def load_tick(*args, **kw):
-        clock["t"] += 1.0
-        return real_load(*args, **kw)
-
-    monkeypatch.setattr(run_module, "load_batch", load_tick)
-    monkeypatch.setattr(run_module.time, "perf_counter", lambda: clock["t"])
-    monkeypatch.setattr(run_module, "seconds_per_step", lambda *a, **kw: 4.0)
-    monkeypatch.setattr(run_module, "REFIT_EVERY", 2)
+    clock = _batch_clock(monkeypatch)
+    monkeypatch.setattr("hstap.train.run.seconds_per_step", lambda *a, **kw: 4.0)
+    monkeypatch.setattr("hstap.train.run.REFIT_EVERY", 2)
     budget = 16
     cfg = TrainConfig(store=small_store, out=tmp_path / "run", epochs=50, batch_tokens=256, time_budget_s=budget,
                       checkpoint_every=1000, **FAST)
