@@ -108,7 +108,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
     tests/drafter/test_fused.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/runtime/test_prefill.py tests/runtime/test_graph_prefill.py \
-    tests/capture/test_tap.py &
+    tests/runtime/test_attention.py tests/capture/test_tap.py &
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
   # a drafter continued across sessions meets new prompts each session: the seed is the number of sessions the
   # shipped drafter has had (this session's was 0 on 2026-12-02), unless PROMPT_SEED says otherwise
@@ -190,7 +190,8 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   step r4_prefill env CUDA_VISIBLE_DEVICES=0 $PY bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 \
     --reps 20
   # what a Q-token verification costs over a 1-token step, kernel by kernel (random SmolLM2-shaped weights, ~25 s):
-  # on 2026-12-03 a 2-token block cost +0.20 ms, half of it the q rows' fold copy that rotary_qk now avoids
+  # on 2026-12-03 a 2-token block cost +0.20 ms: the q rows' fold and the output's unfold copies, which the grouped
+  # layout of hstap/runtime/attention.py now avoids (test_attention.py's gpu test checks cuDNN keeps the layout)
   step r4_verify_cost env CUDA_VISIBLE_DEVICES=0 $PY bench/verify_cost.py --device cuda --tokens 1 2 4 16 61 \
     --reps 10 --no-gemm
   # the graph-replayed prefill's first CUDA run is that bench's lean+graph column: should a capture have failed

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter, draft_to_target_ids
-from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotary_qk
+from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.graphs import InCapture
 from hstap.runtime.kv import KVCache
 
@@ -44,7 +44,7 @@ class LeanDrafter:
         self.input_norm, self.hidden_norm = layer.input_layernorm.weight, layer.hidden_norm.weight
         self.post_norm, self.norm = layer.post_attention_layernorm.weight, drafter.norm.weight
         self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
-        self.o = attn.o_proj.weight
+        self.o = grouped_o(attn.o_proj.weight, self.heads, self.kv_heads)  # cache_attention's head order
         self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
         self.down = mlp.down_proj.weight
         self.lm_head = drafter.lm_head.weight
@@ -91,7 +91,7 @@ class LeanDrafter:
                        F.rms_norm(hidden, shape, self.hidden_norm, self.eps)], dim=-1)  # (B, Q, 2H)
         cos, sin = rope_tables(positions, self.inv_freq, 1.0, hidden.dtype)  # (B, Q, hd)
         qkv = F.linear(x, self.qkv).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
-        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, G·Q, hd), (B, Q, nkv, hd)
+        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, Q·G, hd), (B, Q, nkv, hd)
         kv.write(0, kv.write_index(cols), k.transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))
         span = mask.shape[-1]  # the cache prefix the mask covers
         out = cache_attention(rows, kv.keys(0)[:, :, :span], kv.values(0)[:, :, :span],

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.errors import HstapError
-from hstap.runtime.attention import cache_attention, group_mask, rope_tables, rotary_qk
+from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.kv import KVCache
 
 
@@ -31,7 +31,7 @@ class _Layer:
     ln1: torch.Tensor  # (H,)
     qkv: torch.Tensor  # ((nh + 2·nkv)·hd, H)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # (H, nh·hd)
+    o: torch.Tensor  # (H, nh·hd), input columns in cache_attention's head order (attention.grouped_o)
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
     gate_up: torch.Tensor  # (2·I, H)
@@ -84,14 +84,15 @@ class LeanLlama:
         self.rope_scale = float(inner.rotary_emb.attention_scaling)
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
-        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.layers = [self._fuse(layer, self.heads, self.kv_heads) for layer in inner.layers]
 
     @staticmethod
-    def _fuse(layer) -> _Layer:
+    def _fuse(layer, heads: int, kv_heads: int) -> _Layer:
         a, m = layer.self_attn, layer.mlp
         return _Layer(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                       qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
-                      qkv_bias=_bias(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj.weight, o_bias=a.o_proj.bias,
+                      qkv_bias=_bias(a.q_proj, a.k_proj, a.v_proj), o_bias=a.o_proj.bias,
+                      o=grouped_o(a.o_proj.weight, heads, kv_heads),
                       gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
                       gate_up_bias=_bias(m.gate_proj, m.up_proj), down=m.down_proj.weight,
                       down_bias=m.down_proj.bias)
@@ -117,7 +118,7 @@ class LeanLlama:
         and 256 rows x 4k tokens of full logits would be ~200 GB."""
         h = F.embedding(ids, self.embed)  # (B, Q, H)
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, h.dtype)  # (B, Q, hd)
-        mask = group_mask(mask, self.heads // self.kv_heads)  # (B, 1, G·Q, L)
+        mask = group_mask(mask, self.heads // self.kv_heads)  # (B, 1, Q·G, L)
         index = kv.write_index(cols)  # (B, H_kv, Q, hd)
         aux = []
         for i, layer in enumerate(self.layers):
@@ -139,7 +140,7 @@ class LeanLlama:
         b, s, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
-        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, G·Q, hd), (B, Q, nkv, hd)
+        rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, Q·G, hd), (B, Q, nkv, hd)
         kv.write(i, index, k.transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
         span = mask.shape[-1]
         out = cache_attention(rows, kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask, self.scale,

@@ -39,20 +39,21 @@ def both(target, batch) -> dict[str, tuple[Runtime, torch.Tensor, torch.Tensor]]
 
 
 def test_lean_prefill_equals_transformers_prefill(both, batch):
-    """Default fp32 tolerances (on this CPU the two agree bit for bit). Ignoring the padding mask moves the padded
-    rows' logits by ~9-18, so this fails if padding keys were attended to or positions counted the padding."""
+    """fp32, within the tolerance of another summation order (the output projection sums its heads in the grouped
+    order, attention.grouped_o: logits move by ≤ 7e-5). Ignoring the padding mask moves the padded rows' logits by
+    ~9-18, so this fails if padding keys were attended to or positions counted the padding."""
     ids, mask = batch
     (model_rt, model_logits, model_aux), (lean_rt, lean_logits, lean_aux) = both["model"], both["lean"]
     width = ids.shape[1]
-    torch.testing.assert_close(lean_logits, model_logits)
+    torch.testing.assert_close(lean_logits, model_logits, **SPLIT_TOL)
     starts = [width - n for n in LENGTHS]
     assert lean_rt.slot.start[:3].tolist() == model_rt.slot.start[:3].tolist() == starts
     assert lean_rt.slot.write_at.tolist() == model_rt.slot.write_at.tolist() == [width] * 4
     assert lean_rt.slot.bound == model_rt.slot.bound == width
     for row, start in enumerate(starts):  # real columns only: padding columns are never read
         torch.testing.assert_close(lean_rt.slot.kv.data[:, row, :, start:width],
-                                   model_rt.slot.kv.data[:, row, :, start:width])
-        torch.testing.assert_close(lean_aux[row, start:], model_aux[row, start:])
+                                   model_rt.slot.kv.data[:, row, :, start:width], **SPLIT_TOL)
+        torch.testing.assert_close(lean_aux[row, start:], model_aux[row, start:], **SPLIT_TOL)
     assert lean_aux.shape == model_aux.shape == (3, width, len(AUX) * lean_rt.lean.layers[0].ln1.shape[0])
     assert not lean_rt.slot.kv.data[:, 3].any(), "the dummy row is not written"
 
