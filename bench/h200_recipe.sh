@@ -29,6 +29,8 @@
 #    GPU for the same AB_STEPS steps (default 1000, ~7 min side by side; no time budget); R4 measures both.
 #    AB_ARGS="--loops cut": answers ending in a repetition loop cut
 #    after its first repeat (AB_LOOPS=1 is short for it); AB_ARGS="--loss-on all": prompt positions in the loss too;
+#    AB_ARGS="--online-dtype fp8": issue 15's fp8-vs-bf16 A/B, the tapped states rounded as an fp8 store holds
+#    them (same data, steps and seed; held-out and MT-bench τ of both arms);
 #    AB_ARGS="--draft-intermediate 4608": the drafter's MLP grown 3x (new units start at zero output; at batch 1 the
 #    drafting step is launch-bound, so width costs the decoder nothing): is capacity what limits the drafter?
 # PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on

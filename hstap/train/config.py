@@ -87,6 +87,10 @@ class TrainConfig(BaseModel):
                                     metavar="DIR|NAME")
     overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
                                     "are deleted first")
+    online_dtype: Literal["bf16", "fp8"] = option(
+        "bf16", "(online) the tapped states as a store of this dtype hands them to the trainer: fp8 rounds them "
+        "through e4m3 with one scale per token and layer on the device, with the store's own quantiser and reader "
+        "(an fp8-vs-bf16 A/B on the same data without writing two stores)")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
                                    "trains on this one")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "

@@ -77,6 +77,17 @@ def aux_into(model: torch.nn.Module, layer_ids: list[int], aux: torch.Tensor) ->
             handle.remove()
 
 
+def fp8_round_trip(aux: torch.Tensor, layers: int) -> None:
+    """aux (B, S, n·H) in place: each layer's slice quantised as `hstap capture --dtype fp8` stores it (e4m3, one
+    scale per token and layer) and read back as the trainer reads such a store. Zero (padding) rows stay zero."""
+    from hstap.store.fp8 import dequantize, quantize
+
+    hidden = aux.shape[-1] // layers
+    for j in range(layers):
+        part = aux[..., j * hidden:(j + 1) * hidden]
+        part.copy_(dequantize(*quantize(part), dtype=aux.dtype))
+
+
 def topk_teacher(states: torch.Tensor, head: torch.nn.Module, k: int, chunk: int) -> tuple[torch.Tensor, ...]:
     """Top-k log-probs of the target at each row of `states` (T, H), `chunk` rows at a time so only a chunk's
     (chunk, V) logits exist at once. Returns ids (T, k) long and log-probs (T, k) fp32 rounded through fp16 (the
@@ -96,7 +107,7 @@ class DeviceOnlineSource:
 
     def __init__(self, target, samples: list[RenderedSample], layer_ids: list[int], dtype: str = "bf16",
                  teacher: TeacherSpec | None = None, device: str = "cpu",
-                 chunk_bytes: int = TEACHER_CHUNK_BYTES):
+                 chunk_bytes: int = TEACHER_CHUNK_BYTES, as_fp8: bool = False):
         teacher = teacher or TeacherSpec()
         if teacher.kind != "topk":
             raise HstapError(f"online training computes a top-k teacher on the device, not {teacher}")
@@ -106,6 +117,7 @@ class DeviceOnlineSource:
         self.lengths = [len(s.input_ids) for s in samples]
         self.layer_ids = list(layer_ids)
         self.dtype = torch_dtype(dtype)
+        self.as_fp8 = as_fp8  # each layer's states rounded as an fp8 store holds them (hstap.store.fp8)
         self.k = teacher.k
         self.device = torch.device(device)
         vocab = target.model.get_output_embeddings().weight.shape[0]
@@ -162,6 +174,8 @@ class DeviceOnlineSource:
         if seen != set(self.layer_ids):
             raise HstapError(f"online prefill: layers {sorted(set(self.layer_ids) - seen)} produced no output")
         aux.masked_fill_(~valid[..., None], 0)  # padding as collate leaves it
+        if self.as_fp8:
+            fp8_round_trip(aux, len(self.layer_ids))
         states = out.last_hidden_state.reshape(b * s, -1).index_select(0, rows)  # (T, H) real tokens only
         top_ids, top_lp = topk_teacher(states, model.get_output_embeddings(), self.k, self.chunk)  # (T, k) each
         topk_ids = torch.zeros(b * s, self.k, dtype=torch.long, device=self.device).index_copy_(0, rows, top_ids)

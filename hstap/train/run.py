@@ -82,7 +82,8 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
             raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
         tqdm.write(f"hstap train: {len(samples)} samples from {cfg.data}; {report.summary()}")
         teacher = TeacherSpec()
-        source = DeviceOnlineSource(target, samples, layer_ids, teacher=teacher, device=str(device))
+        source = DeviceOnlineSource(target, samples, layer_ids, teacher=teacher, device=str(device),
+                                    as_fp8=cfg.online_dtype == "fp8")
         return source, layer_ids, teacher
     from hstap.store import open_store
 

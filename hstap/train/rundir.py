@@ -42,6 +42,9 @@ def preflight(cfg: TrainConfig) -> None:
     if not cfg.online and cfg.loops != "keep":
         raise HstapError(f"--loops {cfg.loops} is for --online; a store keeps what its capture rendered "
                          "(hstap capture --loops cut)")
+    if not cfg.online and cfg.online_dtype != "bf16":
+        raise HstapError(f"--online-dtype {cfg.online_dtype} is for --online; a store's states are what its capture "
+                         "wrote (hstap capture --dtype fp8)")
     if cfg.online:
         check_loss_on(cfg.loss_on, cfg.loops, "--loops cut")
     check_device(cfg.device)

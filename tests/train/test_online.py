@@ -63,6 +63,41 @@ def test_device_batch_equals_the_capture_path(target, samples, dtype):
         assert not new._pending, "a prefetched batch is handed out once"
 
 
+def test_fp8_online_states_are_what_an_fp8_store_hands_the_trainer(target, samples):
+    """`--online-dtype fp8` against the capture path with `--dtype fp8` read back as the trainer reads a store
+    (`load_batch`: fp8 + scales, dequantised): exactly the store's quantiser and reader applied to the bf16 states,
+    and close to the capture path's fp8, which on this CPU rounded the fp32 states instead of their bf16 copy
+    (on a GPU both see the same bf16 states)."""
+    from hstap.store.fp8 import dequantize, quantize
+    from hstap.train.data import load_batch
+
+    rows = [4, 0, 5]
+    stored = load_batch(OnlineSource(target, samples, LAYERS, dtype="fp8"), rows, LAYERS, torch.device("cpu"))
+    online = DeviceOnlineSource(target, samples, LAYERS, as_fp8=True).batch(rows)
+    plain = DeviceOnlineSource(target, samples, LAYERS).batch(rows)
+    assert online.aux.dtype == stored.aux.dtype == torch.bfloat16
+    def off(a: torch.Tensor, b: torch.Tensor) -> float:  # relative norm of the difference, as `hstap compare`
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    expected = plain.aux.clone()  # the definition: each layer through the store's own quantiser and reader
+    for j in range(len(LAYERS)):
+        part = expected[..., j * target.hidden_size:(j + 1) * target.hidden_size]
+        part.copy_(dequantize(*quantize(part)))
+    assert torch.equal(online.aux, expected)
+    # the capture path's fp8 (this CPU rounds fp32 states, not their bf16 copy: some rows get another scale)
+    assert off(online.aux, stored.aux) < 0.003
+    assert 0.002 < off(online.aux, plain.aux) < 0.03  # rounded: an fp8 store is ≤ 0.023 from bf16 (docs)
+    assert torch.equal(online.aux[~online.valid], torch.zeros_like(online.aux[~online.valid]))  # padding stays 0
+
+
+def test_online_dtype_is_refused_for_a_store(tmp_path):
+    from hstap.errors import HstapError
+    from hstap.train.rundir import preflight
+
+    with pytest.raises(HstapError, match=r"--online-dtype fp8 is for --online"):
+        preflight(TrainConfig(store=tmp_path / "store", out=tmp_path / "run", online_dtype="fp8"))
+
+
 COMMON = dict(online=True, data="sharegpt", limit=16, max_tokens=64, max_steps=3, epochs=5, batch_tokens=512,
               draft_vocab=1024, ttt_steps=2, heldout=0.25, seed=0)
 
