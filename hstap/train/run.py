@@ -56,7 +56,8 @@ class TrainResult:
                  f"({tokens_per_second(self.train_tokens, self.seconds):.0f} tok/s) → {self.out}",
                  f"held-out loss {h0.get('loss', float('nan')):.3f} → {h.get('loss', float('nan')):.3f}; "
                  f"step-0 top-1 {h0.get('acc', [0])[0]:.3f} → {h.get('acc', [0])[0]:.3f}; "
-                 f"estimated τ by chain length {{{tau}}}"]
+                 f"estimated τ by chain length {{{tau}}}" if h else
+                 "held-out: none (no sample was held out: raise --heldout or train on more samples)"]
         c = h.get("calibration")
         if c:
             lines.append(f"measured τ (chain {c['chain']}, {c['prompts']} held-out prompts, {c['tokens']} tokens) "
@@ -292,6 +293,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                                  draft_vocab=min(cfg.draft_vocab, target.model.config.vocab_size),
                                  intermediate=cfg.draft_intermediate or target.model.config.intermediate_size)
     train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
+    if cfg.heldout > 0 and not held_idx and dist.rank == 0:
+        tqdm.write(f"hstap train: --heldout {cfg.heldout:g} of {len(source.ids)} samples holds none out: the run "
+                   "reports no held-out loss, top-1 or τ estimate")
     if not train_idx:
         raise HstapError(f"no training samples after holding out {cfg.heldout:.0%} of {len(source.ids)}")
 

@@ -309,3 +309,11 @@ def test_loss_on_all_reaches_the_trainer_and_refuses_cut_loops(small_store, tmp_
     with pytest.raises(HstapError, match=r"store .*cut \(--loops cut\) took out of the loss.*--loss-on answers"):
         run_train(TrainConfig(store=cut, out=tmp_path / "c", loss_on="all", **FAST), progress=False)
     run_train(TrainConfig(store=cut, out=tmp_path / "c2", max_steps=1, batch_tokens=256, **FAST), progress=False)
+
+
+def test_summary_says_when_nothing_was_held_out(tmp_path):
+    """16 samples at --heldout 0.05 hold none out: the summary says so instead of printing `nan → nan`."""
+    from hstap.train.run import TrainResult
+
+    text = TrainResult(out=tmp_path, steps=2, train_tokens=100, seconds=1.0, heldout={}, initial_heldout={}).summary()
+    assert "held-out: none" in text and "nan" not in text
