@@ -67,9 +67,14 @@ def tokens_for(f: Fit, tau: float) -> float:
     return 2 ** ((tau - f.a) / f.b) if f.b > 0 else math.inf
 
 
+def points(rows: list[Row], method: str) -> list[tuple[float, float]]:
+    """(tokens trained, τ) of the rows that measured `method`, in the rows' order."""
+    return [(r["tokens_trained"], r["tau"][method]) for r in rows if method in r["tau"]]
+
+
 def fit_method(rows: list[Row], method: str) -> Fit | None:
     """The fit over the rows that measured this method; None below two distinct token counts."""
-    pts = [(r["tokens_trained"], r["tau"][method]) for r in rows if method in r["tau"]]
+    pts = points(rows, method)
     if len({t for t, _ in pts}) < 2:
         return None
     return fit([t for t, _ in pts], [y for _, y in pts])
@@ -77,7 +82,7 @@ def fit_method(rows: list[Row], method: str) -> Fit | None:
 
 def local_slope(rows: list[Row], method: str) -> float | None:
     """τ per doubling between the last two rows that measured the method."""
-    pts = [(r["tokens_trained"], r["tau"][method]) for r in rows if method in r["tau"]][-2:]
+    pts = points(rows, method)[-2:]
     if len(pts) < 2 or pts[0][0] == pts[1][0]:
         return None
     return (pts[1][1] - pts[0][1]) / math.log2(pts[1][0] / pts[0][0])
@@ -141,8 +146,8 @@ def goals_table(rows: list[Row], lineage: str, goals: dict[str, float]) -> str:
 
 def _plot_method(ax, rows: list[Row], lineage: str, m: str, colour: str, goal: float | None, x_last: float) -> float:
     """One method's points and fitted line; returns how far right the line goes."""
-    mine = [(r["tokens_trained"], r["tau"][m]) for r in rows if r["chain"] == lineage and m in r["tau"]]
-    other = [(r["tokens_trained"], r["tau"][m]) for r in rows if r["chain"] != lineage and m in r["tau"]]
+    mine = points([r for r in rows if r["chain"] == lineage], m)
+    other = points([r for r in rows if r["chain"] != lineage], m)
     if mine:
         ax.plot(*zip(*mine), "o-", color=colour, label=f"{m} ({lineage})")
     if other:
@@ -214,7 +219,10 @@ def parse_goals(specs: list[str]) -> dict[str, float]:
         method, _, tau = spec.rpartition("=")
         if method not in METHODS[1:]:
             raise SystemExit(f"--goal {spec}: METHOD is one of {', '.join(METHODS[1:])}")
-        goals[method] = float(tau)
+        try:
+            goals[method] = float(tau)
+        except ValueError:
+            raise SystemExit(f"--goal {spec}: TAU must be a number, e.g. {DEFAULT_GOALS[0]}") from None
     return goals
 
 

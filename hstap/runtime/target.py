@@ -181,7 +181,7 @@ class Runtime:
         bucket = self.graph_bucket(width, max_new_tokens, reserve)
         ids, mask = pad_left(ids, mask, bucket or width)
         padded = ids.shape[1]
-        slot = self._fresh_slot(padded + max_new_tokens + reserve)  # the same slot as for `width` (_graph_width)
+        slot = self._fresh_slot(padded + max_new_tokens + reserve)  # the same slot as for `width` (graph_bucket)
         slot.rows = rows
         slot.write_at.fill_(padded)
         slot.start.fill_(padded)  # dummy rows: nothing to attend to but themselves

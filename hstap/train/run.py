@@ -266,8 +266,7 @@ def refit_to_budget(cap: int, step: int, seconds_per_step: float, seconds_left: 
 
     total = fit(seconds_left)
     for _ in range(2):  # the evaluations depend on where the run ends, which depends on them: two passes settle it
-        ahead = step_in_epoch + (total - step)
-        evals = ahead // max(1, steps_per_epoch) + (ahead % max(1, steps_per_epoch) > 0)
+        evals = -(-(step_in_epoch + total - step) // max(1, steps_per_epoch))  # epoch ends ahead, + a mid-epoch stop
         total = fit(seconds_left - evals * eval_seconds)
     return total
 
@@ -365,7 +364,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
     start, tokens_this_run, first_step = time.perf_counter(), 0, state.step
     refits = bool(cfg.time_budget_s and not schedule.fitted)  # fitted here (a resumed run keeps its fit)
-    if cfg.time_budget_s and not schedule.fitted:
+    if refits:
         mine = epoch_plan(state.epoch)[dist.rank::dist.world_size]
         seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast))
         schedule.total = total_steps = fit_to_budget(total_steps, state.step, seconds,
