@@ -45,6 +45,8 @@
 #    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
 # DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
+# AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
+#    steps each (default 300), then MT-bench chain 3 and the big tree of both (phase_ab; issue 15's fp8 A/B).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 set -uo pipefail
@@ -227,6 +229,36 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   done
   bundle
   echo "$(date +%T) ALL DONE" >> "$RUN/progress"
+  [ -n "${AFTER_AB:-}" ] && phase_ab
+}
+
+phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two drafters from zero side by side on
+  # GPU 0, the second with FLAGS added: same data, seed and AFTER_AB_STEPS steps (default 300, ~10 M tokens an
+  # arm), then MT-bench chain 3 and the big tree of both. Issue 15's fp8-vs-bf16 A/B is
+  # AFTER_AB="--online-dtype fp8"; it comes after the main drafter so that the session's training time goes to
+  # the shipped drafter first and the A/B takes what the session has left (DONE after "AB DONE")
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --epochs 30 --calib-prompts 4 --prefetch --lr 2e-3 --max-steps ${AFTER_AB_STEPS:-300} \
+    --data jsonl:$RUN/synth.jsonl"
+  echo "$AFTER_AB" > "$RUN/results/after_ab_args.txt"
+  step r5_ab_base $HSTAP $T --out "$RUN/ab_base" &
+  step r5_ab_test $HSTAP $T $AFTER_AB --out "$RUN/ab_test"
+  wait
+  for d in ab_base ab_test; do
+    grep -E '"kind": "(eval|budget|summary)"' "$RUN/$d/metrics.jsonl" > "$RUN/results/$d.eval-metrics.jsonl" 2>/dev/null
+    cp "$RUN/$d/train_config.json" "$RUN/results/$d.train_config.json" 2>/dev/null
+  done
+  bundle
+  for d in ab_base ab_test; do  # side by side: τ does not depend on the other run's load, the speedups do
+    step "r6_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
+      --shapes chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
+  done
+  wait
+  for d in ab_base ab_test; do
+    $PY bench/spec_decode.py --table "$RUN/results/spec_$d.jsonl" > "$RUN/results/spec_${d}_tables.txt" 2>&1
+  done
+  bundle
+  echo "$(date +%T) AB DONE" >> "$RUN/progress"
 }
 
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
