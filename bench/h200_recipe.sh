@@ -45,6 +45,8 @@
 #    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
 # DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
+# `bash bench/h200_recipe.sh measure` (AFTER_AB optional): a short session's phase_m instead: the runtime's GPU tests,
+#    bench/verify_cost.py and MT-bench of the shipped drafter, then the AFTER_AB A/B on ~100 s of synth.
 # AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
 #    steps each (default 300), then MT-bench chain 3 and the big tree of both (phase_ab; issue 15's fp8 A/B).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
@@ -261,6 +263,31 @@ phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two draf
   echo "$(date +%T) AB DONE" >> "$RUN/progress"
 }
 
+phase_m() {  # a session without the time for the whole recipe (2026-12-03, eleventh session: the first machine was
+  # lost mid-training, 994 s were left): the GPU tests of the runtime, what a Q-token verification costs, MT-bench
+  # of the shipped drafter on this tree's runtime; then, should AFTER_AB be set, the A/B of phase_ab on ShareGPT
+  # first turns answered by the target for M_SYNTH_S seconds (default 100; ~9,000 answers)
+  wait_assets
+  mkdir -p "$RUN/results"
+  step x0_gpu_tests timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py \
+    tests/runtime/test_attention.py tests/runtime/test_graph_prefill.py &
+  step x1_verify_cost $PY bench/verify_cost.py --device cuda --tokens 1 2 4 16 61 --reps 10 --no-gemm
+  bundle
+  step x2_spec $PY bench/spec_decode.py --drafter smollm2-recipe --device cuda --dtype bf16 --batch 1 \
+    --shapes ngram:3 chain:3 hybrid:4,2 tree:8,8,60 --log "$RUN/results/spec_shipped.jsonl"
+  $PY bench/spec_decode.py --table "$RUN/results/spec_shipped.jsonl" > "$RUN/results/spec_shipped_tables.txt" 2>&1
+  bundle
+  if [ -n "${AFTER_AB:-}" ]; then
+    step x3_synth timeout -s INT "${M_SYNTH_S:-100}" $HSTAP synth --model smollm2 --data sharegpt --limit 16000 \
+      --turns first --out "$RUN/synth.jsonl" --device cuda --batch-size 256 --max-new-tokens 384
+    wait
+    bundle
+    phase_ab
+  fi
+  wait
+  echo "$(date +%T) X DONE" >> "$RUN/progress"
+}
+
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
   while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
   data_out
@@ -357,6 +384,14 @@ case ${1:-status} in
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_c" > "$RUN/logs/master.log" 2>&1 \
       < /dev/null &
     sleep 3; cat "$RUN/logs/gpus.txt" ;;
+  measure)  # call 1 (with .gpu/1 and .whl) of a short session: phase_m, detached
+    mkdir -p /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
+      /tmp/hrepo/
+    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_m" > "$RUN/logs/master.log" 2>&1 \
+      < /dev/null &
+    sleep 2; cat "$RUN/logs/master.log" ;;
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &

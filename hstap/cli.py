@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()
         print(f"hstap: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
-        print(f"hstap: {exc or 'interrupted'}", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a bare one (Ctrl-C, `timeout -s INT`) has no message: say what stopped it
+        _close_progress_bars()
+        print(f"hstap: {str(exc) or 'interrupted (SIGINT)'}", file=sys.stderr)
         return 128 + getattr(exc, "signum", 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
 
 

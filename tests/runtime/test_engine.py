@@ -124,11 +124,25 @@ def test_prompt_past_the_context_is_refused(target):
         engine.close()
 
 
+def _first_divergences(ours, ref_tokens):
+    """(row, step) of each row's first token that differs from the reference's."""
+    out = []
+    for row, (g, r) in enumerate(zip(ours, ref_tokens)):
+        step = next((i for i, (a, b) in enumerate(zip(g.tokens, r)) if a != b), None)
+        if step is not None:
+            out.append((row, step))
+    return out
+
+
 @pytest.mark.gpu
-def test_cuda_graph_decode_equals_static_eager_and_generate():
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cuda_graph_decode_equals_static_eager_and_generate(dtype):
+    """fp32: the graph-replayed runtime gives generate's tokens, every one. bf16: it may leave generate's path only
+    where generate's own top two logits were within two bf16 ulps (a rounding tie: on 2026-12-03 the H200 showed
+    4 of 8 rows leaving it, every one at a gap of 0 or 1 ulp), never at a decided token."""
     from hstap.models import load_target
 
-    target = load_target("smollm2", device="cuda")
+    target = load_target("smollm2", device="cuda", dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     convs = list(open_source("sharegpt", limit=8))
     prompts = [render_prompt(c.messages[:1], target.tokenizer)[:200] for c in convs]
     pad, stops = target.tokenizer.pad_token_id, target.stop_ids
@@ -138,13 +152,20 @@ def test_cuda_graph_decode_equals_static_eager_and_generate():
                        sync_every=8)
         plain = decode(Runtime(target.model, 16, 2048, cuda_graphs=False), reqs, pad, stops, "cuda")
         ids, mask = left_pad(prompts, pad, "cuda")
-        ref = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        ref = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences[:, ids.shape[1]:].tolist()
+    if dtype == "fp32":
+        assert [g.tokens for g in graph] == [p.tokens for p in plain] == ref_tokens
+        return
     # same ops, but cuBLAS may pick other algorithms under capture: bf16 rounding can flip a late token
     assert all(g.tokens[:8] == p.tokens[:8] for g, p in zip(graph, plain))
     assert sum(g.tokens == p.tokens for g, p in zip(graph, plain)) >= len(reqs) - 2
-    ref = ref[:, ids.shape[1]:].tolist()
-    # bf16: attending over the padded static cache may round differently from generate's growing cache
-    assert sum(g.tokens[:4] == r[:4] for g, r in zip(graph, ref)) >= len(reqs) - 1
+    for row, step in _first_divergences(graph, ref_tokens):
+        scores = ref.scores[step][row].float()
+        ours, theirs = graph[row].tokens[step], ref_tokens[row][step]
+        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(scores[theirs].abs()))
+        assert scores[theirs] - scores[ours] <= 2 * ulp, (row, step, float(scores[theirs] - scores[ours]))
 
 
 @pytest.mark.parametrize("rows, width, heads, chunks", [
