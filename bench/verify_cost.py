@@ -2,16 +2,23 @@
 
 On the H200 (2026-12-03) a chain:3 verification (Q = 4) took 2.19 ms against ~1.94 ms for a vanilla step, and a
 61-token tree only 0.3 ms more than that: the first extra tokens cost far more than later ones. This bench splits
-the difference three ways, each replayed from CUDA graphs (batch 1, a prompt already in the cache):
+the difference, each replayed from CUDA graphs (batch 1, a prompt already in the cache):
 
 1. the whole target forward (`Runtime.block`) per Q: ms per replay;
 2. each of the target's matmul shapes alone per M (= Q): µs per GEMM inside a graph of back-to-back calls, as
    `F.linear(x, W)` (what the forward runs) and as `x @ Wt` with the weight stored transposed, to see whether
    a few-row GEMM falls off the one-row kernel;
-3. the kernels of one replay, Q = 1 against the other Qs, grouped by kernel name: the names that grow the most.
+3. the kernels of one replay, Q = 1 against the other Qs, grouped by kernel name: the names that grow the most;
+4. (any device, `--census` alone on a CPU) the elementwise ops of one forward by operand layout, per Q: an op
+   whose operands are all contiguous and of one shape runs CUDA's vectorised kernel, a broadcast or strided one
+   the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing 182 → 379 µs
+   from Q = 1 to 2, and this census named the 90 ops behind it: per layer, the MLP's silu and product, whose
+   gate and up halves are strided from two rows on, and the rotary's k sum;
+5. one layer's MLP per M in the runtime's form and in two forms whose gate and up are contiguous at every M.
 
     python bench/verify_cost.py --device cuda                   # SmolLM2-135M-shaped, random bf16 weights
     python bench/verify_cost.py --device cuda --model smollm2   # the real target (the package's weights)
+    python bench/verify_cost.py --device cpu --census           # section 4 only, no GPU needed
 """
 
 from __future__ import annotations
@@ -106,6 +113,41 @@ def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[
     return rows
 
 
+def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[int, dict[str, float]]]:
+    """(M, µs per MLP of one layer in each form), 30 calls per graph. The runtime's form takes gate and up as the
+    two halves of each row of one GEMM's output, contiguous only at M = 1 (section 4's silu and mul at Q ≥ 2);
+    "columns" multiplies the weight by the rows' transpose, so both halves are contiguous blocks at every M;
+    "batched" runs gate and up as one batched GEMM of two. On a 2-core CPU (2026-12-03) "columns" was 2.4x slower
+    at M = 2 and "batched" within 15 % of the runtime's form: which one the decoder should use is a GPU question."""
+    layer = rt.lean.layers[0]
+    inner = layer.gate_up.shape[0] // 2
+    stacked = layer.gate_up.view(2, inner, -1).transpose(1, 2).contiguous()  # (2, H, I)
+
+    def chunked(x):
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def columns(x):
+        both = torch.mm(layer.gate_up, x.t())  # (2I, M)
+        return F.linear((F.silu(both[:inner]) * both[inner:]).t(), layer.down)
+
+    def batched(x):
+        both = torch.bmm(x.expand(2, *x.shape), stacked)  # (2, M, I)
+        return F.linear(F.silu(both[0]) * both[1], layer.down)
+
+    forms = {"runtime (chunk)": chunked, "columns": columns, "batched": batched}
+    rows = []
+    for m in qs:
+        x = torch.randn(m, layer.gate_up.shape[1], device=rt.device, dtype=layer.gate_up.dtype)
+        ref = chunked(x).float()
+        for name, form in forms.items():  # the same values, up to the dtype's rounding
+            torch.testing.assert_close(form(x).float(), ref, atol=0.05, rtol=0.05, msg=f"MLP form {name}")
+        us = {name: 1000 * replay_ms(graphed(lambda form=form: [form(x) for _ in range(30)], cuda), reps, cuda) / 30
+              for name, form in forms.items()}
+        rows.append((m, us))
+    return rows
+
+
 def kernel_profile(replay, cuda: bool, reps: int = 20) -> dict[str, float]:
     """µs per replay spent in each kernel name (device time), over `reps` replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -125,6 +167,40 @@ def kernel_profile(replay, cuda: bool, reps: int = 20) -> dict[str, float]:
     return dict(per_name)
 
 
+# copies run as elementwise kernels too, though not tagged pointwise (cat and scatter have kernels of their own)
+_ELEMENTWISE = {"copy_", "clone", "_to_copy"}
+
+
+def elementwise_census(body) -> collections.Counter:
+    """(op, layout) → how many times one call of `body` runs it, for every elementwise op. layout: "contiguous"
+    (every tensor operand contiguous and of one shape: CUDA's vectorised kernel), "broadcast" (operands of
+    different shapes) or "strided" (one shape, some operand not contiguous). Scalars and one-element tensors
+    are left out of the comparison."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    counts: collections.Counter = collections.Counter()
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
+                tensors = [t for t in tree_flatten((args, kwargs, out))[0]
+                           if isinstance(t, torch.Tensor) and t.numel() > 1]
+                if tensors:
+                    if len({t.shape for t in tensors}) > 1:
+                        layout = "broadcast"
+                    else:
+                        layout = "contiguous" if all(t.is_contiguous() for t in tensors) else "strided"
+                    counts[(name, layout)] += 1
+            return out
+
+    with Census():
+        body()
+    return counts
+
+
 @torch.inference_mode()  # the runtime's cache is made under inference mode (prefill): writes to it must be too
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,6 +211,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=12, help="kernel names shown per Q")
     ap.add_argument("--no-gemm", action="store_true", help="leave out the per-shape GEMM table")
+    ap.add_argument("--census", action="store_true", help="only section 4 (no timing: any device)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -144,11 +221,24 @@ def main() -> None:
     ids = torch.randint(0, rt.lean.vocab_size, (1, args.prompt), device=rt.device)
     rt.prefill(ids, torch.ones_like(ids), 128)
     bodies = forward_bodies(rt, args.tokens)  # kept: a graph reads its inputs' memory, which must stay theirs
-    replays = {q: graphed(body, cuda) for q, body in bodies.items()}
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, {args.model} weights, {dtype}, "
           f"prompt {args.prompt} tokens in the cache, batch 1")
     print(f"command: python {' '.join(sys.argv)}")
+    if not args.census:
+        timings(rt, bodies, args, cuda)
+    census = {q: elementwise_census(body) for q, body in bodies.items()}
+    keys = sorted(set().union(*census.values()), key=lambda k: (k[1] == "contiguous", k))
+    print("\n4. elementwise ops of one forward by operand layout (broadcast and strided ones run CUDA's generic "
+          f"kernel)\n\n| op | layout | {' | '.join(f'Q={q}' for q in args.tokens)} |\n"
+          f"|---|---|{'---:|' * len(args.tokens)}")
+    for op, layout in keys:
+        print(f"| {op} | {layout} | {' | '.join(str(census[q][(op, layout)]) for q in args.tokens)} |")
+
+
+def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> None:
+    """Sections 1-3: graph-replayed forwards per Q, GEMMs per shape, kernels per name."""
+    replays = {q: graphed(body, cuda) for q, body in bodies.items()}
 
     print("\n1. the target forward of a Q-token block, one graph replay\n\n| Q | ms | vs Q=1 |\n|---:|---:|---:|")
     ms = {q: replay_ms(replay, args.reps, cuda) for q, replay in replays.items()}
@@ -171,6 +261,13 @@ def main() -> None:
         for name in grow[: args.top]:
             print(f"| `{name}` | {base.get(name, 0.0):.1f} | {prof.get(name, 0.0):.1f} | "
                   f"{prof.get(name, 0.0) - base.get(name, 0.0):+.1f} |")
+
+    forms = mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda)
+    names = list(forms[0][1])
+    print(f"\n5. one layer's MLP in three forms, µs inside a graph\n\n| M | {' | '.join(names)} |\n"
+          f"|---:|{'---:|' * len(names)}")
+    for m, us in forms:
+        print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
 
 
 if __name__ == "__main__":
