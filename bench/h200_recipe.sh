@@ -51,6 +51,11 @@
 #    steps each (default 300), then MT-bench chain 3 and the big tree of both (phase_ab; issue 15's fp8 A/B).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
+#
+# THE POLLS GO BACK TO BACK. The device gives the machine back 30 s after a call returns, and everything on it is
+# lost: on 2026-12-03 (eleventh session) a few minutes spent editing a test between two polls lost a training at
+# step 392 of 1,723, with the answers it trained on (DATA_BACK=0). Edit here only inside a poll's sleep, or after
+# the last result is back.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/h200_session.sh" source
 SYNTH_S=${SYNTH_S:-400}

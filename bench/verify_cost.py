@@ -10,8 +10,8 @@ the difference, each replayed from CUDA graphs (batch 1, a prompt already in the
    a few-row GEMM falls off the one-row kernel;
 3. the kernels of one replay, Q = 1 against the other Qs, grouped by kernel name: the names that grow the most;
 4. (any device, `--census` alone on a CPU) the elementwise ops of one forward by operand layout, per Q: an op
-   whose operands are all contiguous and of one shape runs CUDA's vectorised kernel, a broadcast or strided one
-   the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing 182 → 379 µs
+   whose operands are of one shape and dense in one dim order runs CUDA's vectorised kernel, a broadcast or
+   strided one the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing 182 → 379 µs
    from Q = 1 to 2, and this census named the 90 ops behind it: per layer, the MLP's silu and product, whose
    gate and up halves are strided from two rows on, and the rotary's k sum;
 5. one layer's MLP per M in the runtime's form and in two forms whose gate and up are contiguous at every M.
@@ -171,11 +171,24 @@ def kernel_profile(replay, cuda: bool, reps: int = 20) -> dict[str, float]:
 _ELEMENTWISE = {"copy_", "clone", "_to_copy"}
 
 
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """t's strides over its non-unit dims when its elements fill one block of memory without gaps (in any dim
+    order), else None: operands dense in the same order coalesce to one dimension, which CUDA's vectorised
+    elementwise kernel needs."""
+    dims = [(stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1]
+    expected = 1
+    for stride, size in sorted(dims):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(stride for stride, _ in dims)
+
+
 def elementwise_census(body) -> collections.Counter:
-    """(op, layout) → how many times one call of `body` runs it, for every elementwise op. layout: "contiguous"
-    (every tensor operand contiguous and of one shape: CUDA's vectorised kernel), "broadcast" (operands of
-    different shapes) or "strided" (one shape, some operand not contiguous). Scalars and one-element tensors
-    are left out of the comparison."""
+    """(op, layout) → how many times one call of `body` runs it, for every elementwise op. layout: "dense"
+    (every tensor operand of one shape and dense in one dim order: CUDA's vectorised kernel), "broadcast"
+    (operands of different shapes) or "strided" (one shape, an operand with gaps or in another order: CUDA's
+    generic kernel, as for a broadcast). Scalars and one-element tensors are left out of the comparison."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -192,7 +205,8 @@ def elementwise_census(body) -> collections.Counter:
                     if len({t.shape for t in tensors}) > 1:
                         layout = "broadcast"
                     else:
-                        layout = "contiguous" if all(t.is_contiguous() for t in tensors) else "strided"
+                        strides = {_dense_strides(t) for t in tensors}
+                        layout = "dense" if len(strides) == 1 and None not in strides else "strided"
                     counts[(name, layout)] += 1
             return out
 
@@ -228,7 +242,7 @@ def main() -> None:
     if not args.census:
         timings(rt, bodies, args, cuda)
     census = {q: elementwise_census(body) for q, body in bodies.items()}
-    keys = sorted(set().union(*census.values()), key=lambda k: (k[1] == "contiguous", k))
+    keys = sorted(set().union(*census.values()), key=lambda k: (k[1] == "dense", k))
     print("\n4. elementwise ops of one forward by operand layout (broadcast and strided ones run CUDA's generic "
           f"kernel)\n\n| op | layout | {' | '.join(f'Q={q}' for q in args.tokens)} |\n"
           f"|---|---|{'---:|' * len(args.tokens)}")

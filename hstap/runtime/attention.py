@@ -50,15 +50,23 @@ def rotary_qk(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
     b, s, _, d = qkv.shape
     g, half = heads // kv_heads, d // 2
     x = qkv[:, :, : heads + kv_heads]  # (B, Q, H + H_kv, D)
-    straight = x * cos[:, :, None]
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin[:, :, None]
-    k = straight[:, :, heads:] + swapped[:, :, heads:]  # (B, Q, H_kv, D)
-    if torch.compiler.is_compiling():  # traced (the fused drafter): inductor lays the sum out by itself, and a
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    if torch.compiler.is_compiling():  # traced (the fused drafter): inductor lays the sums out by itself, and a
         # non-contiguous out= would break the graph
+        straight, swapped = x * cos[:, :, None], swapped * sin[:, :, None]
+        k = straight[:, :, heads:] + swapped[:, :, heads:]  # (B, Q, H_kv, D)
         q = (straight[:, :, :heads] + swapped[:, :, :heads]).view(b, s, kv_heads, g, d).transpose(2, 3)
         return q.reshape(b, s * g, kv_heads, d).transpose(1, 2), k
+    # both products laid out heads first: the k heads' rows are then one dense block at any Q, and their sum runs
+    # vectorised (a (B, Q, ·) layout makes them a strided slice from two queries on). The products broadcast
+    # cos and sin, so they run the generic kernel in either layout.
+    products = torch.empty(2, heads + kv_heads, b, s, d, dtype=qkv.dtype, device=qkv.device)
+    straight, rotated = products[0].permute(1, 2, 0, 3), products[1].permute(1, 2, 0, 3)  # (B, Q, H + H_kv, D)
+    torch.mul(x, cos[:, :, None], out=straight)
+    torch.mul(swapped, sin[:, :, None], out=rotated)
+    k = straight[:, :, heads:] + rotated[:, :, heads:]  # (B, Q, H_kv, D), dense heads first
     rows = torch.empty(b, s, g, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
-    torch.add(straight[:, :, :heads].view(b, s, kv_heads, g, d), swapped[:, :, :heads].view(b, s, kv_heads, g, d),
+    torch.add(straight[:, :, :heads].view(b, s, kv_heads, g, d), rotated[:, :, :heads].view(b, s, kv_heads, g, d),
               out=rows.transpose(2, 3))  # the sum lands in the rows' layout: no copy after it
     return rows.view(b, s * g, kv_heads, d).transpose(1, 2), k
 
