@@ -4,6 +4,7 @@ hstap's runtime (static KV cache, CUDA graphs on a GPU), at one or more batch si
     python bench/spec_decode.py --drafter runs/gpu/drafter --device cuda --dtype bf16 --batch 1,8
     python bench/spec_decode.py --drafter runs/gpu-drafter --device cpu --limit 4 --max-new-tokens 32
     python bench/spec_decode.py --table runs/gpu/drafter/bench.jsonl     # the tables again, from the log
+    python bench/spec_decode.py --compare A.jsonl B.jsonl               # τ of B − A per method, paired interval
 
 Defaults: 80 questions (first turn), 256 new tokens, greedy, shapes ngram:3 (prompt lookup, 3 tokens), chain:3
 (the drafter's argmax, 3 steps), hybrid:4,2 (the drafter's chain of 4, replaced by prompt lookup's 4 tokens where
@@ -33,7 +34,7 @@ import torch
 
 from hstap.config import torch_dtype
 from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
-from hstap.metrics import acceptance_length, tokens_per_second
+from hstap.metrics import acceptance_length, tau_difference_interval, tau_interval, tokens_per_second
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.target import PREFILL_BUCKET
@@ -67,6 +68,31 @@ def summary(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _pairs(records: list[dict], method: str) -> list[tuple[int, int]]:
+    """Each prompt's (generated tokens, verification forwards) under `method`."""
+    return [(r["methods"][method]["emitted"], r["methods"][method]["verify_forwards"]) for r in records]
+
+
+def compare(first: list[dict], second: list[dict]) -> str:
+    """τ of the second log minus the first's, per method both ran, over the prompts both hold at batch 1, with a
+    paired bootstrap interval: a difference whose interval holds 0 is not one these prompts can show."""
+    mine = {r["id"]: r for r in first if r.get("batch", 1) == 1}
+    theirs = [r for r in second if r.get("batch", 1) == 1 and r["id"] in mine]
+    if not theirs:
+        raise SystemExit("--compare: the two logs share no batch-1 prompt")
+    ours = [mine[r["id"]] for r in theirs]
+    methods = [m for m in theirs[0]["methods"] if m != "vanilla" and m in ours[0]["methods"]]
+    lines = [f"{len(theirs)} prompts in both logs\n", "| method | τ first | τ second | second − first | 95 % interval |",
+             "|---|---:|---:|---:|---|"]
+    for m in methods:
+        a, b = _pairs(ours, m), _pairs(theirs, m)
+        tau_a = acceptance_length(sum(e for e, _ in a), sum(f for _, f in a))
+        tau_b = acceptance_length(sum(e for e, _ in b), sum(f for _, f in b))
+        lo, hi = tau_difference_interval(b, a)
+        lines.append(f"| {m} | {tau_a:.3f} | {tau_b:.3f} | {tau_b - tau_a:+.3f} | {lo:+.3f} to {hi:+.3f} |")
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     """Markdown table over the logged prompts of one batch size, then the goals it meets or misses."""
     methods = list(records[0]["methods"])
@@ -90,6 +116,8 @@ def table(records: list[dict]) -> str:
                 parts[2:] = ["–", "–"]
         lines.append(f"| {m} | {tau:.2f} | {rate:.1f} | {speedup:.2f}× | {speedup / tau:.2f} | {cycle:.2f} | "
                      + " | ".join(parts) + f" | {int(t['same'])}/{len(records)} |")
+    lines.append("\nτ, 95 % bootstrap interval over these prompts: " + ", ".join(
+        f"{m} {lo:.2f}–{hi:.2f}" for m in methods[1:] for lo, hi in [tau_interval(_pairs(records, m))]))
     for m in methods[1:]:
         accepted = [a for r in records for a in r["methods"][m]["accepted"]]
         depth = max(accepted, default=0)
@@ -153,6 +181,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", type=Path)
     ap.add_argument("--table", type=Path, help="print the tables of an existing log and exit")
+    ap.add_argument("--compare", type=Path, nargs=2, metavar=("FIRST", "SECOND"),
+                    help="τ of SECOND's methods minus FIRST's over their common prompts, with a paired bootstrap "
+                         "interval, and exit")
     ap.add_argument("--limit", type=int, default=80, help="MT-bench questions")
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N of them (finish a run cut short)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -171,6 +202,11 @@ def main() -> None:
                          "one graph per width (0: eager prefills, the path before 2026-12-03's second run)")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
+    if args.compare:
+        first, second = ([json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+                         for p in args.compare)
+        print(compare(first, second))
+        return
     if args.table:
         print_tables([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()])
         return
