@@ -82,8 +82,8 @@ def compare(first: list[dict], second: list[dict]) -> str:
         raise SystemExit("--compare: the two logs share no batch-1 prompt")
     ours = [mine[r["id"]] for r in theirs]
     methods = [m for m in theirs[0]["methods"] if m != "vanilla" and m in ours[0]["methods"]]
-    lines = [f"{len(theirs)} prompts in both logs\n", "| method | τ first | τ second | second − first | 95 % interval |",
-             "|---|---:|---:|---:|---|"]
+    lines = [f"{len(theirs)} prompts in both logs\n",
+             "| method | τ first | τ second | second − first | 95 % interval |", "|---|---:|---:|---:|---|"]
     for m in methods:
         a, b = _pairs(ours, m), _pairs(theirs, m)
         tau_a = acceptance_length(sum(e for e, _ in a), sum(f for _, f in a))

@@ -11,9 +11,9 @@ the difference, each replayed from CUDA graphs (batch 1, a prompt already in the
 3. the kernels of one replay, Q = 1 against the other Qs, grouped by kernel name: the names that grow the most;
 4. (any device, `--census` alone on a CPU) the elementwise ops of one forward by operand layout, per Q: an op
    whose operands are of one shape and dense in one dim order runs CUDA's vectorised kernel, a broadcast or
-   strided one the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing 182 → 379 µs
-   from Q = 1 to 2, and this census named the 90 ops behind it: per layer, the MLP's silu and product, whose
-   gate and up halves are strided from two rows on, and the rotary's k sum;
+   strided one the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing
+   182 → 379 µs from Q = 1 to 2, and this census named the 90 ops behind it: per layer, the MLP's silu and
+   product, whose gate and up halves are strided from two rows on, and the rotary's k sum (now dense);
 5. one layer's MLP per M in the runtime's form and in two forms whose gate and up are contiguous at every M.
 
     python bench/verify_cost.py --device cuda                   # SmolLM2-135M-shaped, random bf16 weights

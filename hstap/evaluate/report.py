@@ -42,7 +42,9 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         f"{cfg['warmup']} warm-up run(s) excluded. Every method runs on hstap's runtime (static KV cache; CUDA "
         "graphs on a GPU).",
         "",
-        "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded). "
+        "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded); "
+        "in brackets its 95 % bootstrap interval over the prompts (how far another draw of such prompts could "
+        "move it). "
         "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run.", "",
         "| method | τ | acceptance per position | draft tokens | tokens/s | speedup | ms per cycle: draft / verify / "
         "between | same as vanilla |",
@@ -53,7 +55,9 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         acc = " ".join(_fmt(a) for a in s["acceptance_per_position"])
         same = "–" if s["greedy_matches_vanilla"] is None else f"{s['greedy_matches_vanilla']}/{report['prompts']}"
         ms = " / ".join(_fmt(s.get(f"{k}_ms_per_cycle"), ".1f") for k in ("draft", "verify", "between"))
-        lines.append(f"| {s['label']} | {_fmt(s['tau'])} | {acc} | {s['mean_draft_tokens']:.1f} | "
+        interval = s.get("tau_interval_95")  # reports before 2026-12-03 lack it
+        tau = _fmt(s["tau"]) + (f" ({interval[0]:.2f}–{interval[1]:.2f})" if interval else "")
+        lines.append(f"| {s['label']} | {tau} | {acc} | {s['mean_draft_tokens']:.1f} | "
                      f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {ms} | {same} |")
     lines += [""] + [f"![{name}]({name})" for name in plot_names] + ["", "## Per prompt", ""]
     names = [s["shape"] for s in report["shapes"]]

@@ -31,7 +31,7 @@ from hstap.evaluate.report import write_report
 from hstap.runtime.shapes import DraftShape
 from hstap.evaluate.spec import Generation, Methods
 from hstap.runtime.target import PREFILL_BUCKET
-from hstap.metrics import acceptance_length, tokens_per_second
+from hstap.metrics import acceptance_length, tau_interval, tokens_per_second
 
 
 @dataclass
@@ -148,7 +148,8 @@ def result_dict(result: EvalResult) -> dict:
     for m in result.methods:
         drafted = [d for g in m.generations for d in g.drafted]
         shapes.append({
-            "shape": m.name, "label": m.shape.label, "tau": _num(m.tau), "verify_forwards": m.verify_forwards,
+            "shape": m.name, "label": m.shape.label, "tau": _num(m.tau), "tau_interval_95": _tau_interval(m),
+            "verify_forwards": m.verify_forwards,
             "tokens": m.tokens, "seconds": m.seconds, "tokens_per_second": m.tokens_per_second,
             "speedup": _num(result.speedup(m)),
             "acceptance_per_position": [_num(a) for a in m.acceptance_per_position()],
@@ -181,6 +182,12 @@ def result_dict(result: EvalResult) -> dict:
         "shapes": shapes,
         "per_prompt": per_prompt,
     }
+
+
+def _tau_interval(m) -> list[float] | None:
+    """τ's 95 % bootstrap interval over the prompts (hstap.metrics.tau_interval); None without a forward."""
+    pairs = [(sum(g.emitted), g.verify_forwards) for g in m.generations if g.verify_forwards]
+    return list(tau_interval(pairs)) if pairs else None
 
 
 def _tps(g: Generation) -> float:

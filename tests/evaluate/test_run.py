@@ -36,6 +36,9 @@ def test_run_eval_writes_report_into_the_run_directory(run_dir):
     assert [s["shape"] for s in report["shapes"]] == ["ngram:2", "chain:2", "tree:3,2,4"]
     for s in report["shapes"]:
         assert s["greedy_matches_vanilla"] == 3
+        low, high = s["tau_interval_95"]  # over the 3 prompts
+        assert low <= s["tau"] <= high
+        assert f"{s['tau']:.2f} ({low:.2f}–{high:.2f})" in (run_dir / "report.md").read_text()
         assert s["draft_ms_per_cycle"] > 0 and s["verify_ms_per_cycle"] > 0 and s["between_ms_per_cycle"] >= 0
         assert s["prefill_ms_per_prompt"] > 0
     for m in result.methods:  # the stages account for (nearly) all of a method's wall time, and nothing twice
