@@ -68,6 +68,11 @@ def summary(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+def read_log(path: Path) -> list[dict]:
+    """The per-prompt records of a `--log` JSONL file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _pairs(records: list[dict], method: str) -> list[tuple[int, int]]:
     """Each prompt's (generated tokens, verification forwards) under `method`."""
     return [(r["methods"][method]["emitted"], r["methods"][method]["verify_forwards"]) for r in records]
@@ -203,12 +208,10 @@ def main() -> None:
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.compare:
-        first, second = ([json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-                         for p in args.compare)
-        print(compare(first, second))
+        print(compare(*map(read_log, args.compare)))
         return
     if args.table:
-        print_tables([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()])
+        print_tables(read_log(args.table))
         return
     shapes = [DraftShape.parse(s) for s in args.shapes]
     if args.drafter is None and any(s.uses_drafter for s in shapes):
@@ -233,7 +236,7 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"{len(prompts)} MT-bench questions (first turn), greedy, max {args.max_new_tokens} new tokens, "
           f"total {time.perf_counter() - started:.0f} s")
-    print_tables([json.loads(line) for line in log.read_text().splitlines() if line.strip()])
+    print_tables(read_log(log))
     print(f"\nper-prompt log: {log}")
 
 
