@@ -97,6 +97,12 @@ def forward_bodies(rt: Runtime, qs: list[int]) -> dict[int, object]:
     return bodies
 
 
+def us_per_call(call, reps: int, cuda: bool, calls: int = 30) -> float:
+    """µs per call of `call` from a graph of `calls` back-to-back calls (one call alone is below a replay's
+    resolution)."""
+    return 1000 * replay_ms(graphed(lambda: [call() for _ in range(calls)], cuda), reps, cuda) / calls
+
+
 def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[str, int, float, float]]:
     """(name, M, µs per F.linear, µs per x @ Wt) for each of the target's matmul shapes, 30 calls per graph."""
     layer = rt.lean.layers[0]
@@ -106,10 +112,8 @@ def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[
         transposed = weight.t().contiguous()  # (K, N)
         for m in qs:
             x = torch.randn(1, m, weight.shape[1], device=rt.device, dtype=weight.dtype)
-            ways = {"linear": lambda x=x, w=weight: [F.linear(x, w) for _ in range(30)],
-                    "matmul_t": lambda x=x, w=transposed: [torch.matmul(x, w) for _ in range(30)]}
-            us = {k: 1000 * replay_ms(graphed(fn, cuda), reps, cuda) / 30 for k, fn in ways.items()}
-            rows.append((name, m, us["linear"], us["matmul_t"]))
+            rows.append((name, m, us_per_call(lambda x=x, w=weight: F.linear(x, w), reps, cuda),
+                         us_per_call(lambda x=x, w=transposed: torch.matmul(x, w), reps, cuda)))
     return rows
 
 
@@ -117,8 +121,9 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
     """(M, µs per MLP of one layer in each form), 30 calls per graph. The runtime's form takes gate and up as the
     two halves of each row of one GEMM's output, contiguous only at M = 1 (section 4's silu and mul at Q ≥ 2);
     "columns" multiplies the weight by the rows' transpose, so both halves are contiguous blocks at every M;
-    "batched" runs gate and up as one batched GEMM of two. On a 2-core CPU (2026-12-03) "columns" was 2.4x slower
-    at M = 2 and "batched" within 15 % of the runtime's form: which one the decoder should use is a GPU question."""
+    "batched" runs gate and up as one batched GEMM of two. On a 2-core CPU (2026-12-03,
+    docs/logs/cpu-2026-12-03/verify_cost.txt) "columns" was 2.2x slower at M = 2 and "batched" 11 % slower there,
+    faster from M = 4 on: which one the decoder should use is a GPU question."""
     layer = rt.lean.layers[0]
     inner = layer.gate_up.shape[0] // 2
     stacked = layer.gate_up.view(2, inner, -1).transpose(1, 2).contiguous()  # (2, H, I)
@@ -142,9 +147,7 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
         ref = chunked(x).float()
         for name, form in forms.items():  # the same values, up to the dtype's rounding
             torch.testing.assert_close(form(x).float(), ref, atol=0.05, rtol=0.05, msg=f"MLP form {name}")
-        us = {name: 1000 * replay_ms(graphed(lambda form=form: [form(x) for _ in range(30)], cuda), reps, cuda) / 30
-              for name, form in forms.items()}
-        rows.append((m, us))
+        rows.append((m, {name: us_per_call(lambda form=form: form(x), reps, cuda) for name, form in forms.items()}))
     return rows
 
 
@@ -248,6 +251,14 @@ def main() -> None:
           f"|---|---|{'---:|' * len(args.tokens)}")
     for op, layout in keys:
         print(f"| {op} | {layout} | {' | '.join(str(census[q][(op, layout)]) for q in args.tokens)} |")
+    if args.census:
+        return
+    forms = mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda)
+    names = list(forms[0][1])
+    print(f"\n5. one layer's MLP in three forms, µs inside a graph\n\n| M | {' | '.join(names)} |\n"
+          f"|---:|{'---:|' * len(names)}")
+    for m, us in forms:
+        print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
 
 
 def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> None:
@@ -275,13 +286,6 @@ def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> 
         for name in grow[: args.top]:
             print(f"| `{name}` | {base.get(name, 0.0):.1f} | {prof.get(name, 0.0):.1f} | "
                   f"{prof.get(name, 0.0) - base.get(name, 0.0):+.1f} |")
-
-    forms = mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda)
-    names = list(forms[0][1])
-    print(f"\n5. one layer's MLP in three forms, µs inside a graph\n\n| M | {' | '.join(names)} |\n"
-          f"|---:|{'---:|' * len(names)}")
-    for m, us in forms:
-        print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
 
 
 if __name__ == "__main__":
