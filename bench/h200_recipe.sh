@@ -252,7 +252,7 @@ phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two draf
   step r5_ab_test $HSTAP $T $AFTER_AB --out "$RUN/ab_test"
   wait
   for d in ab_base ab_test; do
-    grep -E '"kind": "(eval|budget|summary)"' "$RUN/$d/metrics.jsonl" > "$RUN/results/$d.eval-metrics.jsonl" 2>/dev/null
+    grep -E '"kind": "(eval|budget|budget_refit)"' "$RUN/$d/metrics.jsonl" > "$RUN/results/$d.eval-metrics.jsonl" 2>/dev/null
     cp "$RUN/$d/train_config.json" "$RUN/results/$d.train_config.json" 2>/dev/null
   done
   bundle
@@ -354,17 +354,22 @@ open(sys.argv[2], 'w').writelines(lines)" "$RUN/prompts.jsonl" "$RUN/p0.jsonl"
   echo "$(date +%T) CONT DONE" >> "$RUN/progress"
 }
 
+launch() {  # launch PHASE: call 1 of a session: the wheels the image lacks, then PHASE detached, run from a private
+  # copy (later calls replace this working tree, and bash reads a script as it goes); .gpu is linked for the data
+  # and drafter parts a continued session's later calls bring
+  mkdir -p /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
+  rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
+    /tmp/hrepo/
+  ln -sfn "$REPO/.gpu" /tmp/hrepo/.gpu
+  setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && $1" > "$RUN/logs/master.log" 2>&1 \
+    < /dev/null &
+  sleep 3; cat "$RUN/logs/gpus.txt"
+}
+
 case ${1:-status} in
-  start)
-    mkdir -p /tmp/site
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
-    # run from a private copy: later calls replace this working tree, and bash reads a script as it goes
-    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
-      /tmp/hrepo/
-    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_r" > "$RUN/logs/master.log" 2>&1 \
-      < /dev/null &
-    sleep 3; cat "$RUN/logs/gpus.txt" ;;
+  start) launch phase_r ;;
   status)
     cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null
     bundle
@@ -379,24 +384,8 @@ case ${1:-status} in
       done
     fi
     ls -la "$OUT" 2>/dev/null ;;
-  cont)  # call 1 of a session that continues an earlier drafter: .gpu/data arrives with parts 2 and 3
-    mkdir -p /tmp/site
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
-    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
-      /tmp/hrepo/
-    ln -sfn "$REPO/.gpu" /tmp/hrepo/.gpu
-    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_c" > "$RUN/logs/master.log" 2>&1 \
-      < /dev/null &
-    sleep 3; cat "$RUN/logs/gpus.txt" ;;
-  measure)  # call 1 (with .gpu/1 and .whl) of a short session: phase_m, detached
-    mkdir -p /tmp/site
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
-      /tmp/hrepo/
-    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_m" > "$RUN/logs/master.log" 2>&1 \
-      < /dev/null &
-    sleep 2; cat "$RUN/logs/master.log" ;;
+  cont) launch phase_c ;;  # call 1 of a session that continues an earlier drafter: .gpu/data comes with parts 2, 3
+  measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &
