@@ -48,7 +48,8 @@
 # `bash bench/h200_recipe.sh measure` (AFTER_AB optional): a short session's phase_m instead: the runtime's GPU tests,
 #    bench/verify_cost.py and MT-bench of the shipped drafter, then the AFTER_AB A/B on ~100 s of synth.
 # AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
-#    steps each (default 300), then MT-bench chain 3 and the big tree of both (phase_ab; issue 15's fp8 A/B).
+#    steps each (default 300), then MT-bench prompt lookup, chain 3 and the big tree beside each (phase_ab; issue
+#    15's fp8 A/B).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 #
@@ -241,7 +242,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
 
 phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two drafters from zero side by side on
   # GPU 0, the second with FLAGS added: same data, seed and AFTER_AB_STEPS steps (default 300, ~10 M tokens an
-  # arm), then MT-bench chain 3 and the big tree of both. Issue 15's fp8-vs-bf16 A/B is
+  # arm), then MT-bench prompt lookup, chain 3 and the big tree beside each. Issue 15's fp8-vs-bf16 A/B is
   # AFTER_AB="--online-dtype fp8"; it comes after the main drafter so that the session's training time goes to
   # the shipped drafter first and the A/B takes what the session has left (DONE after "AB DONE")
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
@@ -258,7 +259,7 @@ phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two draf
   bundle
   for d in ab_base ab_test; do  # side by side: τ does not depend on the other run's load, the speedups do
     step "r6_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
-      --shapes chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
+      --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
   done
   wait
   for d in ab_base ab_test; do
