@@ -13,8 +13,10 @@ the difference, each replayed from CUDA graphs (batch 1, a prompt already in the
    whose operands are of one shape and dense in one dim order runs CUDA's vectorised kernel, a broadcast or
    strided one the generic `elementwise_kernel<128, 4>`. On 2026-12-03 section 3 showed that kernel growing
    182 → 379 µs from Q = 1 to 2, and this census named the 90 ops behind it: per layer, the MLP's silu and
-   product, whose gate and up halves are strided from two rows on, and the rotary's k sum (now dense);
-5. one layer's MLP per M in the runtime's form and in two forms whose gate and up are contiguous at every M.
+   product, whose gate and up halves are strided from two rows on, and the rotary's k sum (now dense); the H200
+   run of the same day confirmed the k sum dense (60 extra ops, not 90), and the MLP's now use the batched form
+   on CUDA (section 5), so the census of a CUDA runtime counts none;
+5. one layer's MLP per M in three forms: chunk (the CPU's), columns, batched (CUDA's).
 
     python bench/verify_cost.py --device cuda                   # SmolLM2-135M-shaped, random bf16 weights
     python bench/verify_cost.py --device cuda --model smollm2   # the real target (the package's weights)
@@ -106,7 +108,8 @@ def us_per_call(call, reps: int, cuda: bool, calls: int = 30) -> float:
 def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[str, int, float, float]]:
     """(name, M, µs per F.linear, µs per x @ Wt) for each of the target's matmul shapes, 30 calls per graph."""
     layer = rt.lean.layers[0]
-    shapes = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "lm_head": rt.lean.lm_head}
+    shapes = {"qkv": layer.qkv, "o": layer.o, "gate_up": gate_up_rows(rt), "down": layer.down,
+              "lm_head": rt.lean.lm_head}
     rows = []
     for name, weight in shapes.items():
         transposed = weight.t().contiguous()  # (K, N)
@@ -117,33 +120,40 @@ def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[
     return rows
 
 
+def gate_up_rows(rt: Runtime) -> torch.Tensor:
+    """Layer 0's gate and up weights as one (2·I, H) matrix, whichever form the runtime keeps them in."""
+    mlp = rt.model.model.layers[0].mlp
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+
+
 def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[int, dict[str, float]]]:
-    """(M, µs per MLP of one layer in each form), 30 calls per graph. The runtime's form takes gate and up as the
-    two halves of each row of one GEMM's output, contiguous only at M = 1 (section 4's silu and mul at Q ≥ 2);
-    "columns" multiplies the weight by the rows' transpose, so both halves are contiguous blocks at every M;
-    "batched" runs gate and up as one batched GEMM of two. On a 2-core CPU (2026-12-03,
-    docs/logs/cpu-2026-12-03/verify_cost.txt) "columns" was 2.2x slower at M = 2 and "batched" 11 % slower there,
-    faster from M = 4 on: which one the decoder should use is a GPU question."""
+    """(M, µs per MLP of one layer in each form), 30 calls per graph. "chunk" takes gate and up as the two halves
+    of each row of one GEMM's output, contiguous only at M = 1 (section 4's silu and mul at Q ≥ 2); "columns"
+    multiplies the weight by the rows' transpose, so both halves are contiguous blocks at every M; "batched" runs
+    gate and up as one batched GEMM of two. The runtime picks chunk or batched per device from this table
+    (hstap.runtime.llama.mlp_form_for): on the H200 (2026-12-03) batched ties chunk at M = 1 and is 1.8-2.2 µs
+    faster from M = 2; on a 2-core CPU batched is 4-11 % slower at M ≤ 2 and columns 2.2x slower at M = 2."""
     layer = rt.lean.layers[0]
-    inner = layer.gate_up.shape[0] // 2
-    stacked = layer.gate_up.view(2, inner, -1).transpose(1, 2).contiguous()  # (2, H, I)
+    gate_up = gate_up_rows(rt)
+    inner = gate_up.shape[0] // 2
+    stacked = gate_up.view(2, inner, -1).transpose(1, 2).contiguous()  # (2, H, I)
 
     def chunked(x):
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.down)
 
     def columns(x):
-        both = torch.mm(layer.gate_up, x.t())  # (2I, M)
+        both = torch.mm(gate_up, x.t())  # (2I, M)
         return F.linear((F.silu(both[:inner]) * both[inner:]).t(), layer.down)
 
     def batched(x):
         both = torch.bmm(x.expand(2, *x.shape), stacked)  # (2, M, I)
         return F.linear(F.silu(both[0]) * both[1], layer.down)
 
-    forms = {"runtime (chunk)": chunked, "columns": columns, "batched": batched}
+    forms = {"chunk": chunked, "columns": columns, "batched": batched}
     rows = []
     for m in qs:
-        x = torch.randn(m, layer.gate_up.shape[1], device=rt.device, dtype=layer.gate_up.dtype)
+        x = torch.randn(m, gate_up.shape[1], device=rt.device, dtype=gate_up.dtype)
         ref = chunked(x).float()
         for name, form in forms.items():  # the same values, up to the dtype's rounding
             torch.testing.assert_close(form(x).float(), ref, atol=0.05, rtol=0.05, msg=f"MLP form {name}")
@@ -255,7 +265,8 @@ def main() -> None:
         return
     forms = mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda)
     names = list(forms[0][1])
-    print(f"\n5. one layer's MLP in three forms, µs inside a graph\n\n| M | {' | '.join(names)} |\n"
+    print(f"\n5. one layer's MLP in three forms, µs inside a graph (the runtime's here: {rt.lean.mlp_form})\n\n"
+          f"| M | {' | '.join(names)} |\n"
           f"|---:|{'---:|' * len(names)}")
     for m, us in forms:
         print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")

@@ -34,8 +34,9 @@ class _Layer:
     o: torch.Tensor  # (H, nh·hd), input columns in cache_attention's head order (attention.grouped_o)
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # (2·I, H)
+    gate_up: torch.Tensor | None  # (2·I, H), the "chunk" form; None in the "batched" form
     gate_up_bias: torch.Tensor | None
+    gate_up_stacked: torch.Tensor | None  # (2, H, I), the "batched" form; None in the "chunk" form
     down: torch.Tensor  # (H, I)
     down_bias: torch.Tensor | None
 
@@ -63,14 +64,42 @@ def _bias(*modules) -> torch.Tensor | None:
     return torch.cat([m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules])
 
 
+MLP_FORMS = ("chunk", "batched")
+
+
+def mlp_form_for(device: torch.device, has_bias: bool) -> str:
+    """The MLP form measured faster on `device` (bench/verify_cost.py section 5, µs per SmolLM2 layer in a graph).
+    H200, 2026-12-03 (docs/logs/h200-2026-12-03e): chunk 10.98 / 12.49 / 12.62 / 13.52 at M = 1 / 2 / 4 / 61,
+    batched 11.02 / 10.70 / 10.67 / 11.29: from two rows on, the chunk form's silu and product read half-rows
+    and run CUDA's generic strided kernel (section 4's census), ~60 µs per 4-token verification. 2-core CPU
+    (docs/logs/cpu-2026-12-03): batched is 4 % slower at M = 1 and 11 % at M = 2, where decoding lives, so the
+    CPU keeps the chunk form. A biased MLP keeps it too (the batched GEMM has no bias term)."""
+    return "batched" if device.type == "cuda" and not has_bias else "chunk"
+
+
+def gated_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) · up(x)) for x (B, Q, H) → (B, Q, H), in the layer's form. "batched": one batched GEMM
+    of two (gate and up) whose halves are contiguous at any Q; "chunk": one GEMM whose output rows hold gate then
+    up, contiguous halves only at one row."""
+    if layer.gate_up_stacked is not None:
+        rows = x.reshape(-1, x.shape[-1])  # (M, H)
+        both = torch.bmm(rows.expand(2, *rows.shape), layer.gate_up_stacked)  # (2, M, I)
+        return F.linear(F.silu(both[0]) * both[1], layer.down, layer.down_bias).view(*x.shape[:-1], -1)
+    gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # (B, Q, I) each
+    return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
 class LeanLlama:
-    """The target's forward over a static cache, from fused copies of its weights (made once)."""
+    """The target's forward over a static cache, from fused copies of its weights (made once). `mlp_form`:
+    "chunk" or "batched" (`gated_mlp`); None picks the one measured faster on the weights' device."""
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, mlp_form: str | None = None):
         reason = unsupported(model)
         if reason is not None:
             raise HstapError(f"the decoding runtime runs Llama-family targets only: {reason}")
+        if mlp_form not in (None, *MLP_FORMS):
+            raise ValueError(f"mlp_form must be one of {', '.join(MLP_FORMS)} or None, got {mlp_form!r}")
         cfg, inner = model.config, model.model
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -84,18 +113,25 @@ class LeanLlama:
         self.rope_scale = float(inner.rotary_emb.attention_scaling)
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
-        self.layers = [self._fuse(layer, self.heads, self.kv_heads) for layer in inner.layers]
+        mlp = inner.layers[0].mlp
+        self.mlp_form = mlp_form or mlp_form_for(self.embed.device, _bias(mlp.gate_proj, mlp.up_proj) is not None)
+        self.layers = [self._fuse(layer, self.heads, self.kv_heads, self.mlp_form) for layer in inner.layers]
 
     @staticmethod
-    def _fuse(layer, heads: int, kv_heads: int) -> _Layer:
+    def _fuse(layer, heads: int, kv_heads: int, mlp_form: str) -> _Layer:
         a, m = layer.self_attn, layer.mlp
+        gate_up_bias = _bias(m.gate_proj, m.up_proj)
+        if mlp_form == "batched" and gate_up_bias is not None:
+            raise HstapError("the batched MLP form has no bias term: this target's gate/up projections have biases")
+        stacked = mlp_form == "batched"  # one copy of the weights either way: (2, H, I) or (2·I, H)
         return _Layer(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                       qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
                       qkv_bias=_bias(a.q_proj, a.k_proj, a.v_proj), o_bias=a.o_proj.bias,
                       o=grouped_o(a.o_proj.weight, heads, kv_heads),
-                      gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
-                      gate_up_bias=_bias(m.gate_proj, m.up_proj), down=m.down_proj.weight,
-                      down_bias=m.down_proj.bias)
+                      gate_up=None if stacked else torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
+                      gate_up_bias=gate_up_bias, down=m.down_proj.weight, down_bias=m.down_proj.bias,
+                      gate_up_stacked=torch.stack([m.gate_proj.weight.t(), m.up_proj.weight.t()]).contiguous()
+                      if stacked else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,9 +160,7 @@ class LeanLlama:
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, F.rms_norm(h, h.shape[-1:], layer.ln1, self.eps), cos, sin, kv,
                                     index, mask)
-            x = F.rms_norm(h, h.shape[-1:], layer.ln2, self.eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # (B, Q, I) each
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            h = h + gated_mlp(layer, F.rms_norm(h, h.shape[-1:], layer.ln2, self.eps))
             if i in aux_layers:
                 aux.append(h)
         if last_only:

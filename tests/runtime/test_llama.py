@@ -1,0 +1,88 @@
+"""LeanLlama's two MLP forms (hstap.runtime.llama.gated_mlp) on the real SmolLM2 in fp32: both give transformers'
+MLP, the batched one (CUDA's) keeps every elementwise op dense at any block width, and a whole prefill through
+either form gives the same logits. The CPU runs the chunk form by default, so without these tests the form the
+H200 decodes with would be exercised by the GPU tests only."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hstap.errors import HstapError
+from hstap.runtime.decode import left_pad
+from hstap.runtime.llama import LeanLlama, gated_mlp, mlp_form_for
+from hstap.runtime.target import Runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def forms(target) -> dict[str, LeanLlama]:
+    return {form: LeanLlama(target.model, form) for form in ("chunk", "batched")}
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@torch.no_grad()
+def test_both_forms_are_as_close_to_exact_as_transformers_mlp(target, forms, rows):
+    """Against the MLP in float64: each form's fp32 error is within twice transformers' own (outputs reach ~700,
+    where an fp32 ulp is 6e-5, so a fixed atol would say nothing); a wrong weight or half is off by O(1)."""
+    torch.manual_seed(0)
+    hidden = target.model.config.hidden_size
+    x = torch.randn(2, rows, hidden)
+    mlp = target.model.model.layers[3].mlp
+    exact = F.linear(F.silu(F.linear(x.double(), mlp.gate_proj.weight.double()))
+                     * F.linear(x.double(), mlp.up_proj.weight.double()), mlp.down_proj.weight.double())
+    bound = 2 * (mlp(x).double() - exact).abs().max()
+    for form, lean in forms.items():
+        got = gated_mlp(lean.layers[3], x)
+        assert got.shape == (2, rows, hidden) and got.dtype == torch.float32
+        assert (got.double() - exact).abs().max() <= bound, form
+    assert forms["batched"].layers[3].gate_up is None, "one copy of the gate/up weights per form"
+
+
+def test_the_batched_form_is_dense_at_every_width(forms):
+    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "bench" / "verify_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def strided(form: str, queries: int) -> int:
+        x = torch.randn(1, queries, forms[form].layers[0].ln1.shape[0])
+        counts = bench.elementwise_census(lambda: gated_mlp(forms[form].layers[0], x))
+        return sum(n for (_, layout), n in counts.items() if layout != "dense")
+
+    assert [strided("batched", q) for q in (1, 4, 16)] == [0, 0, 0]
+    assert strided("chunk", 4) == 2, "the chunk form's silu and product read half-rows from two rows on"
+
+
+def test_a_prefill_through_either_form_gives_the_same_logits(target, prompts):
+    ids, mask = left_pad([prompts[0][:11], prompts[1][:7]], target.tokenizer.pad_token_id, "cpu")
+    logits = {}
+    for form in ("chunk", "batched"):
+        rt = Runtime(target.model, batch_size=2, max_len=32, cuda_graphs=False, len_bucket=16, mlp_form=form)
+        assert rt.lean.mlp_form == form
+        logits[form], _ = rt.prefill(ids, mask, 4)
+    torch.testing.assert_close(logits["batched"], logits["chunk"], atol=2e-4, rtol=1e-4)
+
+
+def test_the_form_follows_the_device_and_bad_forms_are_one_line(target):
+    assert mlp_form_for(torch.device("cuda"), has_bias=False) == "batched"
+    assert mlp_form_for(torch.device("cuda"), has_bias=True) == "chunk"
+    assert mlp_form_for(torch.device("cpu"), has_bias=False) == "chunk"
+    assert LeanLlama(target.model).mlp_form == "chunk"  # the CPU's
+    with pytest.raises(ValueError, match="mlp_form must be one of chunk, batched or None, got 'fused'"):
+        LeanLlama(target.model, "fused")
+    with pytest.raises(HstapError, match="batched MLP form has no bias"):
+        LeanLlama._fuse(_biased_layer(target), 9, 3, "batched")
+
+
+def _biased_layer(target):
+    """A copy of layer 0 whose gate projection has a bias (Llama's `mlp_bias=True`)."""
+    import copy
+
+    layer = copy.deepcopy(target.model.model.layers[0])
+    layer.mlp.gate_proj.bias = torch.nn.Parameter(torch.zeros(layer.mlp.gate_proj.out_features))
+    return layer
