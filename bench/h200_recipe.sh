@@ -50,6 +50,9 @@
 # AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
 #    steps each (default 300), then MT-bench prompt lookup, chain 3 and the big tree beside each (phase_ab; issue
 #    15's fp8 A/B).
+# PRIOR_PARTS=N: R3 also trains on an earlier session's answers (add_prior), carried in as
+#    .gpu/data/prior.tar.xz.part00..: part00 with .gpu/2 (call 2), part01 with .gpu/3 (call 3). The answers
+#    come back from every session in $OUT's data.tar.xz parts: copy them there for the next one.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 #
@@ -102,6 +105,37 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   fi
 }
 
+add_prior() {  # add_prior N: an earlier session's answers (its data parts, shipped back by data_out, carried in as
+  # .gpu/data/prior.tar.xz.part00..N-1 beside calls 2 and 3) appended to synth.jsonl, except prompts this session
+  # answered again: twice the answers for R3's budget, where on 2026-12-03 (the eleventh run) the budget went
+  # round one session's 19,743 answers 11 times. Counted in results/prior.json; never shipped back again.
+  local parts=$1 i
+  for i in $(seq 0 $((parts - 1))); do
+    while [ ! -f "$REPO/.gpu/data/prior.tar.xz.part0$i" ]; do sleep 3; done
+  done
+  mkdir -p "$RUN/prior"
+  for i in 1 2 3 4 5; do  # a part still being copied into the working tree fails xz: wait, then again
+    (cd "$RUN/prior" && cat "$REPO"/.gpu/data/prior.tar.xz.part0* | xz -dc | tar xf - --wildcards 'synth[0-9].jsonl') \
+      2> "$RUN/logs/prior_untar.log" && break
+    sleep 10
+  done
+  $PY - "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json" <<'PYEOF'
+import json, sys
+new, *prior = sys.argv[1:]
+seen = {json.loads(line)["id"] for line in open(new)}
+added = again = 0
+with open(new, "a") as out:
+    for path in prior:
+        for line in open(path):
+            if json.loads(line)["id"] in seen:
+                again += 1
+                continue
+            out.write(line); added += 1
+print(json.dumps({"this_session": len(seen), "prior_added": added, "prior_answered_again": again}))
+PYEOF
+  cat "$RUN/results/prior.json" >> "$RUN/progress"
+}
+
 phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and the one-third-data drafter
   if [ -n "${THROUGHPUT:-}" ]; then  # synthetic batches need no assets: this runs while they are still arriving.
     # The drafter step alone, eager vs fused elementwise chains side by side, SmolLM2 and 8B shapes (issues 12, 15);
@@ -151,6 +185,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   synth_stats
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
   [ "${DATA_BACK:-1}" = 1 ] && data_out  # DATA_BACK=0: the prompts and answers stay (17 MB nothing here keeps)
+  [ -n "${PRIOR_PARTS:-}" ] && add_prior "$PRIOR_PARTS"
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
