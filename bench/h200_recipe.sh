@@ -109,9 +109,14 @@ add_prior() {  # add_prior N: an earlier session's answers (its data parts, ship
   # .gpu/data/prior.tar.xz.part00..N-1 beside calls 2 and 3) appended to synth.jsonl, except prompts this session
   # answered again: twice the answers for R3's budget, where on 2026-12-03 (the eleventh run) the budget went
   # round one session's 19,743 answers 11 times. Counted in results/prior.json; never shipped back again.
-  local parts=$1 i
-  for i in $(seq 0 $((parts - 1))); do
-    while [ ! -f "$REPO/.gpu/data/prior.tar.xz.part0$i" ]; do sleep 3; done
+  local parts=$1 i waited=0
+  for i in $(seq 0 $((parts - 1))); do  # the parts come with calls 2 and 3, minutes before synth ends: a part
+    # still missing now was not carried, and R3 goes on with this session's answers alone
+    while [ ! -f "$REPO/.gpu/data/prior.tar.xz.part0$i" ]; do
+      [ "$waited" -ge 120 ] && { echo "$(date +%T) prior part $i never came: trained without" >> "$RUN/progress"
+        return; }
+      sleep 3; waited=$((waited + 3))
+    done
   done
   mkdir -p "$RUN/prior"
   for i in 1 2 3 4 5; do  # a part still being copied into the working tree fails xz: wait, then again
