@@ -16,7 +16,8 @@ the difference, each replayed from CUDA graphs (batch 1, a prompt already in the
    product, whose gate and up halves are strided from two rows on, and the rotary's k sum (now dense); the H200
    run of the same day confirmed the k sum dense (60 extra ops, not 90), and the MLP's now use the batched form
    on CUDA (section 5), so the census of a CUDA runtime counts none;
-5. one layer's MLP per M in three forms: chunk (the CPU's), columns, batched (CUDA's).
+5. one layer's MLP per M in three forms: chunk (the CPU's), columns, batched (CUDA's);
+6. one layer's K and V cache write per Q in three forms: the runtime's two scatters, index_copy, index_put.
 
     python bench/verify_cost.py --device cuda                   # SmolLM2-135M-shaped, random bf16 weights
     python bench/verify_cost.py --device cuda --model smollm2   # the real target (the package's weights)
@@ -161,6 +162,54 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
     return rows
 
 
+def kv_write_forms(kv, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
+    """One layer's K and V write into `kv` at columns `cols` (B, Q), k and v (B, H_kv, Q, D) in the layouts the
+    forward hands over (k heads first, v a strided slice of the qkv rows), as three bodies: "scatter" is the
+    runtime's (`KVCache.write`: two 5-D scatters, whose kernel grows from 115 to 188 µs a forward between Q = 1 and
+    4 on the H200, 2026-12-03); "index_copy" copies rows of the (B·H·L, D) view, "index_put" indexes (b, h, col)."""
+    b, h, length, d = kv.data.shape[1:]
+    index = kv.write_index(cols)
+    rows = (torch.arange(b, device=cols.device)[:, None, None] * (h * length)
+            + torch.arange(h, device=cols.device)[None, :, None] * length + cols[:, None, :]).reshape(-1)
+    bi, hi, ci = torch.broadcast_tensors(torch.arange(b, device=cols.device)[:, None, None],
+                                         torch.arange(h, device=cols.device)[None, :, None], cols[:, None, :])
+
+    def scatter():
+        kv.write(0, index, k, v)
+
+    def index_copy():
+        kv.data[0].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+        kv.data[1].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+
+    def index_put():
+        kv.data[0].index_put_((bi, hi, ci), k)
+        kv.data[1].index_put_((bi, hi, ci), v)
+
+    return {"scatter": scatter, "index_copy": index_copy, "index_put": index_put}
+
+
+def kv_write_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[int, dict[str, float]]]:
+    """(Q, µs per layer's K and V write in each form of `kv_write_forms`), 30 calls per graph; every form is
+    checked to leave the cache the runtime's write leaves."""
+    lean, rows = rt.lean, []
+    for q in qs:
+        kv = lean.new_cache(1, 512)
+        cols = (torch.arange(q, device=rt.device) + 300)[None]  # (1, Q)
+        k = torch.randn(lean.kv_heads, 1, q, lean.head_dim, device=rt.device, dtype=lean.dtype).permute(1, 0, 2, 3)
+        qkv = torch.randn(1, q, lean.heads + 2 * lean.kv_heads, lean.head_dim, device=rt.device, dtype=lean.dtype)
+        v = qkv[:, :, lean.heads + lean.kv_heads:].transpose(1, 2)
+        forms = kv_write_forms(kv, cols, k, v)
+        written = {}
+        for name, form in forms.items():
+            kv.data.zero_()
+            form()
+            written[name] = kv.data[:2].clone()
+        for name, data in written.items():
+            assert torch.equal(data, written["scatter"]), f"KV write form {name}"
+        rows.append((q, {name: us_per_call(form, reps, cuda) for name, form in forms.items()}))
+    return rows
+
+
 def kernel_profile(replay, cuda: bool, reps: int = 20) -> dict[str, float]:
     """µs per replay spent in each kernel name (device time), over `reps` replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -270,6 +319,12 @@ def main() -> None:
           f"|---:|{'---:|' * len(names)}")
     for m, us in forms:
         print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
+    writes = kv_write_table(rt, args.tokens, max(3, args.reps // 4), cuda)
+    names = list(writes[0][1])
+    print(f"\n6. one layer's K and V write into the cache in three forms, µs inside a graph (the runtime's: scatter)"
+          f"\n\n| Q | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
+    for q, us in writes:
+        print(f"| {q} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
 
 
 def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> None:
