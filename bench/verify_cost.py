@@ -4,7 +4,7 @@ On the H200 (2026-12-03) a chain:3 verification (Q = 4) took 2.19 ms against ~1.
 61-token tree only 0.3 ms more than that: the first extra tokens cost far more than later ones. This bench splits
 the difference, each replayed from CUDA graphs (batch 1, a prompt already in the cache):
 
-1. the whole target forward (`Runtime.block`) per Q: ms per replay;
+1. the whole target forward (`Runtime.block`) per Q: ms per replay; 1b. the same with the other MLP form;
 2. each of the target's matmul shapes alone per M (= Q): µs per GEMM inside a graph of back-to-back calls, as
    `F.linear(x, W)` (what the forward runs) and as `x @ Wt` with the weight stored transposed, to see whether
    a few-row GEMM falls off the one-row kernel;
@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hstap.runtime.llama import MLP_FORMS
 from hstap.runtime.target import Runtime
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -85,6 +86,15 @@ def graphed(body, cuda: bool):
     with torch.cuda.graph(graph):
         body()
     return graph.replay
+
+
+def prefilled_runtime(model: torch.nn.Module, prompt: int, mlp_form: str | None = None) -> Runtime:
+    """A one-row runtime with `prompt` random tokens already in its cache (the MLP form: the device's, or this)."""
+    rt = Runtime(model, batch_size=1, max_len=prompt + 256, len_bucket=prompt + 512, max_slots=1, prefill_bucket=0,
+                 mlp_form=mlp_form)
+    ids = torch.randint(0, rt.lean.vocab_size, (1, prompt), device=rt.device)
+    rt.prefill(ids, torch.ones_like(ids), 128)
+    return rt
 
 
 def forward_bodies(rt: Runtime, qs: list[int]) -> dict[int, object]:
@@ -292,10 +302,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build(args.model, args.device, dtype)
-    rt = Runtime(model, batch_size=1, max_len=args.prompt + 256, len_bucket=args.prompt + 512, max_slots=1,
-                 prefill_bucket=0)
-    ids = torch.randint(0, rt.lean.vocab_size, (1, args.prompt), device=rt.device)
-    rt.prefill(ids, torch.ones_like(ids), 128)
+    rt = prefilled_runtime(model, args.prompt)
     bodies = forward_bodies(rt, args.tokens)  # kept: a graph reads its inputs' memory, which must stay theirs
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, {args.model} weights, {dtype}, "
@@ -335,6 +342,15 @@ def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> 
     ms = {q: replay_ms(replay, args.reps, cuda) for q, replay in replays.items()}
     for q, t in ms.items():
         print(f"| {q} | {t:.3f} | +{t - ms[args.tokens[0]]:.3f} |")
+    other = next(form for form in MLP_FORMS if form != rt.lean.mlp_form)
+    other_rt = prefilled_runtime(rt.model, args.prompt, other)  # the same weights: one forward against the other
+    other_bodies = forward_bodies(other_rt, args.tokens)
+    other_ms = {q: replay_ms(graphed(body, cuda), args.reps, cuda) for q, body in other_bodies.items()}
+    print(f"\n1b. the same forward with the MLP in the {other} form (the runtime's: {rt.lean.mlp_form})\n\n"
+          f"| Q | ms, {rt.lean.mlp_form} | ms, {other} | {other} − {rt.lean.mlp_form} |\n|---:|---:|---:|---:|")
+    for q, t in ms.items():
+        print(f"| {q} | {t:.3f} | {other_ms[q]:.3f} | {other_ms[q] - t:+.3f} |")
+    del other_rt, other_bodies
 
     print("\n2. one GEMM of each shape, µs inside a graph\n\n| matmul | M | F.linear(x, W) | x @ Wt |\n"
           "|---|---:|---:|---:|")
