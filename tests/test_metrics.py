@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from hstap.metrics import acceptance_length, tau_difference_interval, tau_interval
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import bench_script
 
 
 def _prompts(seed: int, n: int = 60) -> list[tuple[int, int]]:
@@ -45,10 +41,7 @@ def test_a_paired_difference_sees_a_small_shift_that_unpaired_intervals_overlap(
 
 
 def test_spec_decode_compare_pairs_the_logs_by_prompt_id():
-    spec = importlib.util.spec_from_file_location("bench_spec_decode", ROOT / "bench" / "spec_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = bench_script("spec_decode")
 
     def log(shift: int) -> list[dict]:
         return [{"id": f"q{i}", "batch": 1, "methods": {"vanilla": {"emitted": f, "verify_forwards": f},

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
+
+from tests.bench_scripts import bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scaling():
-    spec = importlib.util.spec_from_file_location("bench_scaling", ROOT / "bench" / "scaling.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("scaling")
 
 
 def test_the_fit_recovers_a_line_in_log2_tokens_and_tokens_for_inverts_it():

@@ -3,22 +3,14 @@ dense-but-permuted tensor along its outer dim is dense; against a contiguous ope
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import bench_script
 
 
 def _verify_cost():
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "bench" / "verify_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("verify_cost")
 
 
 def test_the_census_tells_contiguous_broadcast_and_strided_ops_apart():

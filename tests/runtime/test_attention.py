@@ -5,18 +5,14 @@ what they are. On CUDA: the attention output comes back in the rows' layout, so 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv, rotate_half
 
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
+from tests.bench_scripts import bench_script
 
 HEADS, KV_HEADS, D = 9, 3, 64  # SmolLM2-135M's attention
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _tables(positions: torch.Tensor, dtype: torch.dtype):
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
@@ -28,9 +24,7 @@ def test_the_rotary_runs_no_more_generic_elementwise_ops_for_a_block_than_for_on
     """A verification block pays per op what a one-token step pays (bench/verify_cost.py's census: on an H200 a
     strided or broadcast op runs the generic kernel, ~0.8 µs dearer than a vectorised one). Before 2026-12-03
     the k sum ran on a strided slice from two queries on: 30 generic launches per SmolLM2 forward."""
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "bench" / "verify_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("verify_cost")
 
     def generic(queries: int) -> int:
         positions = torch.arange(queries)[None] + 300

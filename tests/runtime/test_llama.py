@@ -5,9 +5,6 @@ H200 decodes with would be exercised by the GPU tests only."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +13,7 @@ from hstap.errors import HstapError
 from hstap.runtime.decode import left_pad
 from hstap.runtime.llama import LeanLlama, gated_mlp, mlp_form_for
 from hstap.runtime.target import Runtime
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +41,7 @@ def test_both_forms_are_as_close_to_exact_as_transformers_mlp(target, forms, row
 
 
 def test_the_batched_form_is_dense_at_every_width(forms):
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "bench" / "verify_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("verify_cost")
 
     def strided(form: str, queries: int) -> int:
         x = torch.randn(1, queries, forms[form].layers[0].ln1.shape[0])
