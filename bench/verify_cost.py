@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hstap.runtime.llama import MLP_FORMS
+from hstap.runtime.llama import MLP_FORMS, LeanLlama, gated_mlp
 from hstap.runtime.target import Runtime
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -144,28 +144,21 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
     gate and up as one batched GEMM of two. The runtime picks chunk or batched per device from this table
     (hstap.runtime.llama.mlp_form_for): on the H200 (2026-12-03) batched ties chunk at M = 1 and is 1.8-2.2 µs
     faster from M = 2; on a 2-core CPU batched is 4-11 % slower at M ≤ 2 and columns 2.2x slower at M = 2."""
-    layer = rt.lean.layers[0]
+    layers = {form: rt.lean.layers[0] if form == rt.lean.mlp_form else LeanLlama(rt.model, form).layers[0]
+              for form in MLP_FORMS}  # the runtime's own two forms (`gated_mlp`), whichever the device runs
     gate_up = gate_up_rows(rt)
     inner = gate_up.shape[0] // 2
-    stacked = gate_up.view(2, inner, -1).transpose(1, 2).contiguous()  # (2, H, I)
-
-    def chunked(x):
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
 
     def columns(x):
         both = torch.mm(gate_up, x.t())  # (2I, M)
-        return F.linear((F.silu(both[:inner]) * both[inner:]).t(), layer.down)
+        return F.linear((F.silu(both[:inner]) * both[inner:]).t(), layers["chunk"].down)
 
-    def batched(x):
-        both = torch.bmm(x.expand(2, *x.shape), stacked)  # (2, M, I)
-        return F.linear(F.silu(both[0]) * both[1], layer.down)
-
-    forms = {"chunk": chunked, "columns": columns, "batched": batched}
+    forms = {"chunk": lambda x: gated_mlp(layers["chunk"], x), "columns": columns,
+             "batched": lambda x: gated_mlp(layers["batched"], x)}
     rows = []
     for m in qs:
         x = torch.randn(m, gate_up.shape[1], device=rt.device, dtype=gate_up.dtype)
-        ref = chunked(x).float()
+        ref = forms["chunk"](x).float()
         for name, form in forms.items():  # the same values, up to the dtype's rounding
             torch.testing.assert_close(form(x).float(), ref, atol=0.05, rtol=0.05, msg=f"MLP form {name}")
         rows.append((m, {name: us_per_call(lambda form=form: form(x), reps, cuda) for name, form in forms.items()}))
