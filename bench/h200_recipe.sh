@@ -44,6 +44,8 @@
 # EAGER_AB=1: R4 also decodes chain 3 and the 60-node tree with the drafter's steps unfused (@eager; off by default
 #    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
 # DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
+# KV_AB=1: R4 also decodes vanilla and chain 3 on 40 questions with the target cache written by index_copy
+#    (bench/spec_decode.py --kv-write index_copy), against the scatter of the main MT-bench run.
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
 # `bash bench/h200_recipe.sh measure` (AFTER_AB optional): a short session's phase_m instead: the runtime's GPU tests,
 #    bench/verify_cost.py and MT-bench of the shipped drafter, then the AFTER_AB A/B on ~100 s of synth.
@@ -259,6 +261,13 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
       --device cuda --dtype bf16 --batch 1 --log "$RUN/results/spec_third.jsonl"
   fi
   wait
+  if [ -n "${KV_AB:-}" ]; then  # the target cache's KV write as row copies instead of scatters, end to end: vanilla
+    # and chain 3 on the first 40 questions (~1 min), against the same prompts of spec_b1 (verify_cost section 6
+    # times the write alone)
+    bundle
+    step r4_spec_kv $PY bench/spec_decode.py --drafter "$RUN/drafter" --device cuda --dtype bf16 --batch 1 \
+      --limit 40 --shapes chain:3 --kv-write index_copy --log "$RUN/results/spec_kv.jsonl" $PF
+  fi
   if [ -n "${SPEC_PROFILE:-}" ]; then  # what fills a decoding cycle on the device: kernels, busy share, idle gaps
     step r4_spec_profile $PY bench/spec_profile.py --drafter "$RUN/drafter" --prompts 4 --json \
       --shapes ngram:3 chain:3 chain:3@eager hybrid:4,2 tree:8,8,60 tree:8,8,60@eager

@@ -36,6 +36,7 @@ from hstap.config import torch_dtype
 from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
 from hstap.metrics import acceptance_length, tau_difference_interval, tau_interval, tokens_per_second
 from hstap.models import load_target
+from hstap.runtime.kv import KV_WRITES
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.target import PREFILL_BUCKET
 
@@ -205,6 +206,9 @@ def main() -> None:
     ap.add_argument("--prefill-bucket", type=int, default=PREFILL_BUCKET,
                     help="with CUDA graphs, the lean prefill is left-padded to a multiple of this and replayed from "
                          "one graph per width (0: eager prefills, the path before 2026-12-03's second run)")
+    ap.add_argument("--kv-write", choices=KV_WRITES, default="scatter",
+                    help="the target cache's write form (hstap.runtime.kv.KVCache): an end-to-end A/B of "
+                         "bench/verify_cost.py's section 6")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
     args = ap.parse_args()
     if args.compare:
@@ -227,7 +231,7 @@ def main() -> None:
         evaluate_shapes(target.model, drafter, prompts, shapes, args.max_new_tokens, set(target.stop_ids),
                         on_prompt=_record(log, batch), batch_size=batch, cuda_graphs=not args.no_cuda_graphs,
                         fused=False if args.eager_drafting else None, prefill=args.prefill,
-                        prefill_bucket=args.prefill_bucket)
+                        prefill_bucket=args.prefill_bucket, kv_write=args.kv_write)
         print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

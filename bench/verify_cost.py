@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hstap.runtime.kv import KV_WRITES
 from hstap.runtime.llama import MLP_FORMS, LeanLlama, gated_mlp
 from hstap.runtime.target import Runtime
 
@@ -167,28 +168,24 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
 
 def kv_write_forms(kv, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
     """One layer's K and V write into `kv` at columns `cols` (B, Q), k and v (B, H_kv, Q, D) in the layouts the
-    forward hands over (k heads first, v a strided slice of the qkv rows), as three bodies: "scatter" is the
-    runtime's (`KVCache.write`: two 5-D scatters, whose kernel grows from 115 to 188 µs a forward between Q = 1 and
-    4 on the H200, 2026-12-03); "index_copy" copies rows of the (B·H·L, D) view, "index_put" indexes (b, h, col)."""
-    b, h, length, d = kv.data.shape[1:]
-    index = kv.write_index(cols)
-    rows = (torch.arange(b, device=cols.device)[:, None, None] * (h * length)
-            + torch.arange(h, device=cols.device)[None, :, None] * length + cols[:, None, :]).reshape(-1)
+    forward hands over (k heads first, v a strided slice of the qkv rows), as three bodies: "scatter" and
+    "index_copy" are the runtime's own `KVCache.write` in its two forms (the scatter kernel grew from 115 to 188
+    µs a forward between Q = 1 and 4 on the H200, 2026-12-03); "index_put" (bench-only) indexes (b, h, col)."""
+    b, h = kv.data.shape[1:3]
+    caches = {}
+    for form in KV_WRITES:  # the same memory, written in each form
+        view = kv.rows(0, b)
+        view.write_form = form
+        caches[form] = (view, view.write_index(cols))
     bi, hi, ci = torch.broadcast_tensors(torch.arange(b, device=cols.device)[:, None, None],
                                          torch.arange(h, device=cols.device)[None, :, None], cols[:, None, :])
-
-    def scatter():
-        kv.write(0, index, k, v)
-
-    def index_copy():
-        kv.data[0].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
-        kv.data[1].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
 
     def index_put():
         kv.data[0].index_put_((bi, hi, ci), k)
         kv.data[1].index_put_((bi, hi, ci), v)
 
-    return {"scatter": scatter, "index_copy": index_copy, "index_put": index_put}
+    forms = {form: (lambda c=c, i=i: c.write(0, i, k, v)) for form, (c, i) in caches.items()}
+    return {**forms, "index_put": index_put}
 
 
 def kv_write_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[int, dict[str, float]]]:

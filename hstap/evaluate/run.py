@@ -213,7 +213,8 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, promp
                     on_prompt: Callable[[Prompt, dict[str, Generation]], None] | None = None,
                     batch_size: int = 1, cuda_graphs: bool | None = None, warm_each_batch: bool | None = None,
                     fused: bool | None = None, prefill: str = "lean",
-                    prefill_bucket: int = PREFILL_BUCKET) -> tuple[MethodResult, list[MethodResult]]:
+                    prefill_bucket: int = PREFILL_BUCKET, kv_write: str = "scatter",
+                    ) -> tuple[MethodResult, list[MethodResult]]:
     """Vanilla decoding and every draft shape on every prompt, batch by batch, methods interleaved per batch.
 
     All methods share one runtime (its graphs are captured during the warm-up). Each batch is seeded with
@@ -226,11 +227,13 @@ def evaluate_shapes(model: torch.nn.Module, drafter: Eagle3Drafter | None, promp
     `fused` (default: on CUDA): the decoders' graph bodies run compiled (hstap.runtime.spec.SpecDecoder).
     `prefill`: the runtime's prefill path ("lean" or transformers' "model", hstap.runtime.target.Runtime);
     `prefill_bucket`: with CUDA graphs, the width bucket of the graph-replayed prefill (0: eager prefills).
+    `kv_write`: the target cache's write form (hstap.runtime.kv.KVCache).
     `on_prompt(prompt, {method name: generation})` sees each prompt's results as its batch completes (a long
     benchmark logs them, so a run cut short still has its finished prompts). Returns (vanilla, one
     MethodResult per shape)."""
     longest = max(len(p.ids) for p in prompts) + max_new_tokens
-    methods = Methods(model, drafter, batch_size, longest, shapes, cuda_graphs, fused, prefill, prefill_bucket)
+    methods = Methods(model, drafter, batch_size, longest, shapes, cuda_graphs, fused, prefill, prefill_bucket,
+                      kv_write)
     device = methods.runtime.device
 
     def run(shape: DraftShape | None, batch: list[Prompt], new_tokens: int, i: int) -> list[Generation]:

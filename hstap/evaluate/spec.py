@@ -62,14 +62,15 @@ class Methods:
 
     def __init__(self, model: torch.nn.Module, drafter: Eagle3Drafter | None, batch_size: int, max_len: int,
                  shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None,
-                 prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET):
+                 prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET, kv_write: str = "scatter"):
         # one cache length for the whole run (prompt + answer + the largest shape's draft columns): every batch
         # replays the same graphs
         reserve = max([SpecDecoder.reservation(s) for s in shapes], default=0)
         length = -(-(max_len + reserve) // LEN_BUCKET) * LEN_BUCKET
         self.runtime = Runtime(model, batch_size, max_len, cuda_graphs, len_bucket=length, max_slots=1,
-                               prefill=prefill, prefill_bucket=prefill_bucket)
-        # prefill "model": transformers' forward (a bench's A/B of the two); prefill_bucket 0: never graphed
+                               prefill=prefill, prefill_bucket=prefill_bucket, kv_write=kv_write)
+        # prefill "model": transformers' forward (a bench's A/B of the two); prefill_bucket 0: never graphed;
+        # kv_write: the target cache's write form (an A/B of bench/spec_decode.py --kv-write)
         self.drafter, self.fused = drafter, fused  # fused: compiled graph bodies (SpecDecoder; default on CUDA)
         self.decoders: dict[str, SpecDecoder] = {}
         self.pad_id = 0

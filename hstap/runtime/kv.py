@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import torch
 
+KV_WRITES = ("scatter", "index_copy")
+
 
 class KVCache:
-    """Keys and values of every layer, (2·layers, B, H_kv, L, D), zero-initialised (a masked slot is never NaN)."""
+    """Keys and values of every layer, (2·layers, B, H_kv, L, D), zero-initialised (a masked slot is never NaN).
+
+    `write_form`: how a forward's new keys and values go in. "scatter" (default): one scatter per tensor along
+    the column dim, with a (B, H_kv, Q, D) index; "index_copy": one row copy per tensor into the (B·H_kv·L, D)
+    view, with a (B·H_kv·Q,) index — an A/B on the H200 (bench/verify_cost.py section 6, bench/spec_decode.py
+    --kv-write), since the scatter kernel grew from 115 to 188 µs a forward between Q = 1 and 4 there."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, write_form: str = "scatter"):
+        if write_form not in KV_WRITES:
+            raise ValueError(f"write_form must be one of {', '.join(KV_WRITES)}, got {write_form!r}")
         self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, dtype=dtype, device=device)
-        self.length = length
+        self.length, self.write_form = length, write_form
 
     def rows(self, first: int, end: int) -> "KVCache":
         """Rows [first, end) as a KVCache over this one's memory (a view, no copy): a forward over those rows
@@ -30,7 +39,7 @@ class KVCache:
         if not 0 <= first < end <= self.data.shape[1]:
             raise ValueError(f"rows [{first}, {end}) are not inside the cache's {self.data.shape[1]} rows")
         view = KVCache.__new__(KVCache)
-        view.data, view.length = self.data[:, first:end], self.length
+        view.data, view.length, view.write_form = self.data[:, first:end], self.length, self.write_form
         return view
 
     def keys(self, layer: int) -> torch.Tensor:
@@ -40,13 +49,24 @@ class KVCache:
         return self.data[2 * layer + 1]
 
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (B, H_kv, Q, D) into columns `index` (B, H_kv, Q, D), see `write_index`."""
+        """k, v (B, H_kv, Q, D) into the columns `index` names (`write_index`, in this cache's form)."""
+        if self.write_form == "index_copy":  # a layer's (B, H_kv, L, D) block is contiguous, also in a rows() view
+            d = k.shape[-1]
+            self.data[2 * layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
+            self.data[2 * layer + 1].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
+            return
         self.data[2 * layer].scatter_(2, index, k)
         self.data[2 * layer + 1].scatter_(2, index, v)
 
     def write_index(self, cols: torch.Tensor) -> torch.Tensor:
-        """(B, Q) columns → the (B, H_kv, Q, D) scatter index `write` takes (built once per forward)."""
-        _, b, h, _, d = self.data.shape
+        """(B, Q) columns → the index `write` takes (built once per forward): "scatter" (B, H_kv, Q, D), the
+        column per element; "index_copy" (B·H_kv·Q,), the row of (b, h, column) in a layer's (B·H_kv·L, D) view,
+        in k.reshape(-1, D)'s order."""
+        _, b, h, length, d = self.data.shape
+        if self.write_form == "index_copy":
+            rows = torch.arange(b, device=cols.device)[:, None, None] * (h * length) \
+                + torch.arange(h, device=cols.device)[None, :, None] * length + cols[:, None, :]  # (B, H_kv, Q)
+            return rows.reshape(-1)
         return cols[:, None, :, None].expand(b, h, cols.shape[1], d)
 
     def load_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from hstap.errors import HstapError
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
-from hstap.runtime.kv import KVCache
+from hstap.runtime.kv import KV_WRITES, KVCache
 
 
 @dataclass
@@ -91,15 +91,19 @@ def gated_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
 
 class LeanLlama:
     """The target's forward over a static cache, from fused copies of its weights (made once). `mlp_form`:
-    "chunk" or "batched" (`gated_mlp`); None picks the one measured faster on the weights' device."""
+    "chunk" or "batched" (`gated_mlp`); None picks the one measured faster on the weights' device. `kv_write`: the
+    caches' write form (`kv.KVCache`)."""
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module, mlp_form: str | None = None):
+    def __init__(self, model: torch.nn.Module, mlp_form: str | None = None, kv_write: str = "scatter"):
         reason = unsupported(model)
         if reason is not None:
             raise HstapError(f"the decoding runtime runs Llama-family targets only: {reason}")
         if mlp_form not in (None, *MLP_FORMS):
             raise ValueError(f"mlp_form must be one of {', '.join(MLP_FORMS)} or None, got {mlp_form!r}")
+        if kv_write not in KV_WRITES:
+            raise ValueError(f"kv_write must be one of {', '.join(KV_WRITES)}, got {kv_write!r}")
+        self.kv_write = kv_write
         cfg, inner = model.config, model.model
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -142,7 +146,8 @@ class LeanLlama:
         return 2 * self.num_layers * batch * self.kv_heads * length * self.head_dim * self.dtype.itemsize
 
     def new_cache(self, batch: int, length: int) -> KVCache:
-        return KVCache(self.num_layers, batch, self.kv_heads, length, self.head_dim, self.dtype, self.embed.device)
+        return KVCache(self.num_layers, batch, self.kv_heads, length, self.head_dim, self.dtype, self.embed.device,
+                       self.kv_write)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, cols: torch.Tensor,
                 mask: torch.Tensor, aux_layers: list[int] | tuple[int, ...] = (), last_only: bool = False,

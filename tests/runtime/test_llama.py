@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hstap.errors import HstapError
 from hstap.runtime.decode import left_pad
+from hstap.runtime.kv import KV_WRITES
 from hstap.runtime.llama import LeanLlama, gated_mlp, mlp_form_for
 from hstap.runtime.target import Runtime
 from tests.bench_scripts import bench_script
@@ -60,6 +61,23 @@ def test_a_prefill_through_either_form_gives_the_same_logits(target, prompts):
         assert rt.lean.mlp_form == form
         logits[form], _ = rt.prefill(ids, mask, 4)
     torch.testing.assert_close(logits["batched"], logits["chunk"], atol=2e-4, rtol=1e-4)
+
+
+def test_the_index_copy_kv_write_fills_the_cache_as_the_scatter_does(target, prompts):
+    """Both KV write forms (hstap.runtime.kv.KVCache) through a two-row left-padded prefill: the same cache bit
+    for bit and the same logits, so a wrong row, head or column in the flat index cannot hide."""
+    ids, mask = left_pad([prompts[0][:11], prompts[1][:7]], target.tokenizer.pad_token_id, "cpu")
+    logits, caches = {}, {}
+    for form in KV_WRITES:
+        rt = Runtime(target.model, batch_size=2, max_len=32, cuda_graphs=False, len_bucket=16, kv_write=form)
+        assert rt.slot is None and rt.lean.new_cache(1, 4).write_form == form
+        logits[form] = rt.prefill(ids, mask, 4)
+        caches[form] = rt.slot.kv.data.clone()
+    assert caches["index_copy"].abs().sum() > 0
+    assert torch.equal(caches["index_copy"], caches["scatter"])
+    assert torch.equal(logits["index_copy"], logits["scatter"])
+    with pytest.raises(ValueError, match="kv_write must be one of scatter, index_copy, got 'put'"):
+        LeanLlama(target.model, kv_write="put")
 
 
 def test_the_form_follows_the_device_and_bad_forms_are_one_line(target):
