@@ -53,8 +53,9 @@
 #    steps each (default 300), then MT-bench prompt lookup, chain 3 and the big tree beside each (phase_ab; issue
 #    15's fp8 A/B).
 # PRIOR_PARTS=N: R3 also trains on an earlier session's answers (add_prior), carried in as
-#    .gpu/data/prior.tar.xz.part00..: part00 with .gpu/2 (call 2), part01 with .gpu/3 (call 3). The answers
-#    come back from every session in $OUT's data.tar.xz parts: copy them there for the next one.
+#    .gpu/data/prior.tar.xz.part00..: part00 in a call of its own right after call 2 (with .gpu/2 and the
+#    shipped drafter in the working tree it passes the 64 MiB a call: refused on 2026-12-03), part01 with .gpu/3
+#    (call 3). The answers come back from every session in $OUT's data.tar.xz parts: copy them there for the next.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 #
@@ -126,20 +127,8 @@ add_prior() {  # add_prior N: an earlier session's answers (its data parts, ship
       2> "$RUN/logs/prior_untar.log" && break
     sleep 10
   done
-  $PY - "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json" <<'PYEOF'
-import json, sys
-new, *prior = sys.argv[1:]
-seen = {json.loads(line)["id"] for line in open(new)}
-added = again = 0
-with open(new, "a") as out:
-    for path in prior:
-        for line in open(path):
-            if json.loads(line)["id"] in seen:
-                again += 1
-                continue
-            out.write(line); added += 1
-print(json.dumps({"this_session": len(seen), "prior_added": added, "prior_answered_again": again}))
-PYEOF
+  # prompts compared by content (bench/merge_answers.py): record ids repeat across prompt seeds
+  $PY "$REPO/bench/merge_answers.py" "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json"
   cat "$RUN/results/prior.json" >> "$RUN/progress"
 }
 
