@@ -145,7 +145,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   wait_assets
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
-  # R0: the gpu-marked tests (issue 11) beside the prompts (and, on one GPU, synth); R1's or R2's wait collects them
+  # R0: the gpu-marked tests (issue 11) beside the prompts (and, on one GPU, synth and R3); R3's wait collects them
   step r0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
     tests/drafter/test_fused.py \
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
@@ -165,18 +165,23 @@ provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
     wait
   fi
   # on one GPU the tests run on beside synth instead of holding it back (on 2026-12-02 they outlasted the prompts
-  # by 129 s); R2's wait collects them. Beside synth they run slower: on 2026-12-03, 20 of 24 had passed when the
-  # 300-s limit cut them, 44 s after synth ended; hence 480 s
+  # by 129 s), and beside R3 if they outlast synth; R3's wait collects them. Beside synth they run slower: on
+  # 2026-12-03, 20 of 24 had passed when the 300-s limit cut them, 44 s after synth ended; hence 480 s
   bundle
   # R2: synth of the shuffled set (sources are written in blocks; a time-boxed run must see all of them), split
   # over the GPUs by line parity; `hstap synth` resumes where a stopped run left off
   $PY -c "import random, sys; lines = open(sys.argv[1]).readlines(); random.Random(0).shuffle(lines); \
 open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
+  local synth_pids=""
   for g in $(seq 0 $((NGPU - 1))); do
     awk "NR % $NGPU == $g" "$RUN/shuffled.jsonl" > "$RUN/p$g.jsonl"
     synth_lane "$g" &
+    synth_pids="$synth_pids $!"
   done
-  wait
+  # only synth: R0's tests, should they outlast it, run on beside R3 (whose time budget re-fits to the steps it
+  # times) and R3's wait collects them. On 2026-12-03 (the twelfth run) a bare wait here held R3 back 150 s of
+  # device time for the tests (416 s, synth 152 s)
+  wait $synth_pids
   cat "$RUN"/synth[0-9].jsonl > "$RUN/synth.jsonl"
   synth_stats
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
