@@ -6,7 +6,7 @@
 2. capture — prefill those conversations with the tap on → a store
 3. train   — the EAGLE-3 drafter from the store (training-time test, held-out τ estimate)
 4. eval    — speculative decoding on MT-bench against vanilla decoding, same backend, same run: τ and speedup;
-             then the GPU recipe's drafter that ships in the package (smollm2-recipe) on the same questions, with
+             then the GPU recipe's drafter that ships in the package ('reference') on the same questions, with
              this machine's break-even τ (τ / speedup: below it a shape does not pay here)
 5. export  — an SGLang/vLLM-loadable EAGLE-3 draft checkpoint
 Each stage resumes or reuses what an earlier run of the same preset left in `--out`; `--stages` picks a subset.
@@ -46,7 +46,7 @@ class Preset:
     train_budget_s: float | None = None  # fit training into this wall time (epochs is then a cap)
     calib_prompts: int = 0  # held-out prompts decoded at every evaluation to measure τ (seconds each on a GPU)
     calib_tokens: int = 64
-    shipped: str | None = "smollm2-recipe"  # evaluated beside the demo's drafter: what the GPU recipe buys
+    shipped: str | None = "reference"  # evaluated beside the demo's drafter: what the GPU recipe buys
     shipped_shapes: tuple = ("chain:3", "hybrid:4,2")
 
 
@@ -175,7 +175,7 @@ def run(cfg: DemoConfig) -> int:
                                         max_new_tokens=p.eval_new_tokens, device=p.device))
         print(evaluated.summary())
         if p.shipped:
-            print(f"\nthe GPU recipe's drafter ({p.shipped}, shipped in the package) on the same questions:")
+            print(f"\nthe shipped drafter '{p.shipped}' (the GPU recipe's) on the same questions:")
             shipped = run_eval(EvalConfig(drafter=p.shipped, bench="mt-bench", limit=p.eval_questions,
                                           **shape_fields(list(p.shipped_shapes)), max_new_tokens=p.eval_new_tokens,
                                           device=p.device, out=out / "eval-shipped"))
@@ -211,7 +211,7 @@ def _final_table(p: Preset, prompts: int, trained, evaluated, shipped, exported:
                       f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla)", "")
     for m in shipped.methods if shipped else []:
         speedup = shipped.speedup(m)
-        table.add_row(f"GPU recipe's drafter, {m.shape.spec}",
+        table.add_row(f"shipped drafter '{p.shipped}' (GPU recipe), {m.shape.spec}",
                       f"τ {m.tau:.2f}, {speedup:.2f}× (break-even τ here {m.tau / speedup:.2f})",
                       str(shipped.files[0].parent / "report.md"))
     if trained:

@@ -26,7 +26,7 @@ def test_demo_smoke_runs_every_stage(smoke_run):
         assert f"── {stage}" in printed
     assert "τ, " in printed and "speedup" in printed
     # the GPU recipe's shipped drafter beside the demo's, with this machine's break-even τ
-    assert "the GPU recipe's drafter (smollm2-recipe, shipped in the package) on the same questions" in printed
+    assert "the shipped drafter 'reference' (the GPU recipe's) on the same questions" in printed
     assert "break-even" in printed
     assert (out / "eval-shipped" / "report.md").exists()
     assert (out / "drafter" / "model.safetensors").exists()

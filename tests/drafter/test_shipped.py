@@ -32,12 +32,18 @@ def test_a_shipped_name_unpacks_once_into_the_cache(cache):
     assert not [p for p in first.parent.iterdir() if ".tmp" in p.name], "no temporary directory is left behind"
 
 
+def test_reference_names_the_recipe_drafter(cache):
+    assert "reference" in shipped_names()
+    assert resolve_drafter("reference") == resolve_drafter("smollm2-recipe")
+    assert shipped.drafter_config_path("reference") == shipped.SHIPPED / "smollm2-recipe" / "config.json"
+
+
 def test_a_directory_is_taken_as_it_is(tmp_path):
     assert resolve_drafter(tmp_path) == tmp_path
 
 
 def test_an_unknown_name_lists_the_shipped_ones(cache):
-    with pytest.raises(HstapError, match=r"--init-from no-such: no such directory, .*shipped: smollm2-recipe"):
+    with pytest.raises(HstapError, match=r"--init-from no-such: no such directory, .*: reference, smollm2-recipe\)"):
         resolve_drafter("no-such", flag="--init-from")
 
 
