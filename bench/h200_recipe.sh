@@ -52,10 +52,12 @@
 # AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
 #    steps each (default 300), then MT-bench prompt lookup, chain 3 and the big tree beside each (phase_ab; issue
 #    15's fp8 A/B).
-# PRIOR_PARTS=N: R3 also trains on an earlier session's answers (add_prior), carried in as
-#    .gpu/data/prior.tar.xz.part00..: part00 in a call of its own right after call 2 (with .gpu/2 and the
-#    shipped drafter in the working tree it passes the 64 MiB a call: refused on 2026-12-03), part01 with .gpu/3
-#    (call 3). The answers come back from every session in $OUT's data.tar.xz parts: copy them there for the next.
+# PRIOR_PARTS=N: R2 leaves out the prompts earlier sessions answered and R3 also trains on their answers
+#    (fetch_prior, add_prior), carried in as .gpu/data/prior.tar.xz.part00..: each part in a call of its own right
+#    after call 2 (with .gpu/2 and the shipped drafter in the working tree a 15-MB part passes the 64 MiB a call:
+#    refused on 2026-12-03). The answers come back from every session in $OUT's data.tar.xz parts; merge them
+#    into the prior ones here for the next session (bench/merge_answers.py merge, then one xz part: the eleventh
+#    and twelfth runs' 33,432 answers are 7.6 MB).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones: docs/benchmarks.md).
 #
@@ -108,27 +110,33 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   fi
 }
 
-add_prior() {  # add_prior N: an earlier session's answers (its data parts, shipped back by data_out, carried in as
-  # .gpu/data/prior.tar.xz.part00..N-1 beside calls 2 and 3) appended to synth.jsonl, except prompts this session
-  # answered again: twice the answers for R3's budget, where on 2026-12-03 (the eleventh run) the budget went
-  # round one session's 19,743 answers 11 times. Counted in results/prior.json; never shipped back again.
+fetch_prior() {  # fetch_prior N: an earlier session's answers (data parts shipped back by data_out, or merged
+  # answers; carried in as .gpu/data/prior.tar.xz.part00..N-1 in the first calls) unpacked into $RUN/prior: twice
+  # the answers for R3's budget, where on 2026-12-03 (the eleventh run) the budget went round one session's 19,743
+  # answers 11 times. Returns 1 (and R2/R3 go on without them) when a part never came.
   local parts=$1 i waited=0
-  for i in $(seq 0 $((parts - 1))); do  # the parts come with calls 2 and 3, minutes before synth ends: a part
-    # still missing now was not carried, and R3 goes on with this session's answers alone
+  for i in $(seq 0 $((parts - 1))); do  # the parts come with the first calls, a minute or two before R2: a part
+    # still missing after two more minutes was not carried
     while [ ! -f "$REPO/.gpu/data/prior.tar.xz.part0$i" ]; do
       [ "$waited" -ge 120 ] && { echo "$(date +%T) prior part $i never came: trained without" >> "$RUN/progress"
-        return; }
+        return 1; }
       sleep 3; waited=$((waited + 3))
     done
   done
   mkdir -p "$RUN/prior"
   for i in 1 2 3 4 5; do  # a part still being copied into the working tree fails xz: wait, then again
     (cd "$RUN/prior" && cat "$REPO"/.gpu/data/prior.tar.xz.part0* | xz -dc | tar xf - --wildcards 'synth[0-9].jsonl') \
-      2> "$RUN/logs/prior_untar.log" && break
+      2> "$RUN/logs/prior_untar.log" && return 0
     sleep 10
   done
-  # prompts compared by content (bench/merge_answers.py): record ids repeat across prompt seeds
-  $PY "$REPO/bench/merge_answers.py" "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json"
+  return 1
+}
+
+add_prior() {  # after synth: the prior answers appended to synth.jsonl, except prompts this session answered again
+  # (compared by content, bench/merge_answers.py: record ids repeat across prompt seeds). Counted in
+  # results/prior.json; never shipped back again (the next session gets them from here: see the header)
+  ls "$RUN"/prior/synth[0-9].jsonl > /dev/null 2>&1 || return
+  $PY "$REPO/bench/merge_answers.py" merge "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json"
   cat "$RUN/results/prior.json" >> "$RUN/progress"
 }
 
@@ -170,8 +178,17 @@ provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
   bundle
   # R2: synth of the shuffled set (sources are written in blocks; a time-boxed run must see all of them), split
   # over the GPUs by line parity; `hstap synth` resumes where a stopped run left off
+  # with prior answers, first turns they already answer are left out first (the ShareGPT and stdlib pools are
+  # finite: 4,917 of the twelfth run's 20,000 prompts had been answered by the eleventh), so synth's time goes to
+  # new prompts; the merge after synth adds the prior answers
+  local todo="$P"
+  if [ -n "${PRIOR_PARTS:-}" ] && fetch_prior "$PRIOR_PARTS" && [ "${TURNS:-first}" = first ]; then
+    $PY "$REPO/bench/merge_answers.py" unanswered "$P" "$RUN/unanswered.jsonl" "$RUN"/prior/synth[0-9].jsonl \
+      > "$RUN/results/prior_prompts.json" && todo="$RUN/unanswered.jsonl"
+    cat "$RUN/results/prior_prompts.json" >> "$RUN/progress"
+  fi
   $PY -c "import random, sys; lines = open(sys.argv[1]).readlines(); random.Random(0).shuffle(lines); \
-open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
+open(sys.argv[2], 'w').writelines(lines)" "$todo" "$RUN/shuffled.jsonl"
   local synth_pids=""
   for g in $(seq 0 $((NGPU - 1))); do
     awk "NR % $NGPU == $g" "$RUN/shuffled.jsonl" > "$RUN/p$g.jsonl"
@@ -186,7 +203,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$P" "$RUN/shuffled.jsonl"
   synth_stats
   cp "$P.provenance.json" "$RUN/results/" 2>/dev/null
   [ "${DATA_BACK:-1}" = 1 ] && data_out  # DATA_BACK=0: the prompts and answers stay (17 MB nothing here keeps)
-  [ -n "${PRIOR_PARTS:-}" ] && add_prior "$PRIOR_PARTS"
+  [ -n "${PRIOR_PARTS:-}" ] && add_prior
   bundle
   # R3: the drafter on every GPU (DDP on two); on two GPUs also a drafter on the first third of the data
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \

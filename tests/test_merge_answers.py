@@ -40,3 +40,17 @@ def test_a_record_without_messages_is_one_line_naming_file_and_line(tmp_path):
     prior.write_text(json.dumps(_record("b", "q2", "a2")) + "\n" + json.dumps({"id": "c", "messages": []}) + "\n")
     with pytest.raises(ValueError, match=r"synth0\.jsonl:2: field 'messages' must be a non-empty list"):
         bench_script("merge_answers").merge(new, [prior])
+
+
+def test_unanswered_leaves_out_first_turns_a_prior_session_answered(tmp_path):
+    """A ShareGPT prompt keeps the dataset's own answers and later turns; first-turn synth answers its first user
+    turn only, so that is what is matched against the prior answers."""
+    prompts, out, prior = tmp_path / "prompts.jsonl", tmp_path / "todo.jsonl", tmp_path / "synth0.jsonl"
+    _write(prompts, [_record("sharegpt-a_0", "what is chicken", "ChatGPT's answer", "and a duck?", "..."),
+                     _record("magpie-0000001", "Name three rivers."),
+                     _record("code-x@1-explain", "Explain `f`.")])
+    _write(prior, [_record("sharegpt-z_0", "what is chicken", "A bird."),  # same first turn, another id
+                   _record("magpie-0000001", "Write a haiku about rain.", "Rain taps...")])  # same id only
+    counts = bench_script("merge_answers").unanswered(prompts, out, [prior])
+    assert counts == {"prompts": 3, "kept": 2, "answered_before": 1}
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["magpie-0000001", "code-x@1-explain"]
