@@ -73,6 +73,7 @@ class Slot:
         self.buffers: dict[object, object] = {}  # per speculative method: its own static buffers
         self.bound = 0  # host-side upper bound of every row's write_at
         self.eager = True  # no graphs: forwards may attend to a prefix of the cache
+        self.graph_width: int | None = None  # the last prefill's width when it replayed a graph (a bucket), else None
 
     def span(self, extra: int) -> int:
         """Columns a forward writing up to `extra` entries past write_at must attend to: on the eager path only
@@ -191,7 +192,7 @@ class Runtime:
             logits, aux = self._prefill_graph(slot, ids, mask, tuple(aux_layers))
         else:
             logits, aux = self._prefill_rows(slot, list(range(rows)), ids, mask, aux_layers)
-        slot.bound = padded
+        slot.bound, slot.graph_width = padded, bucket
         return logits if not aux_layers else (logits, aux[:, padded - width:])  # the caller's P columns
 
     def prefill_width(self, width: int, max_new_tokens: int, reserve: int = 0) -> int:
