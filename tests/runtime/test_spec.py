@@ -140,24 +140,10 @@ def test_greedy_equals_plain_decoding_with_long_acceptances(runtime, target, dra
     assert len({len(r.accepted) for r in rows}) > 1  # rows advanced by different counts in one batch
 
 
-def test_ngram_accepts_repeated_text(runtime, target):
-    """A prompt that makes the target repeat itself: prompt lookup drafts are accepted, output unchanged."""
-    from hstap.data import render_prompt
-
-    text = "one two three four five six seven eight nine ten"
-    prompt = render_prompt([{"role": "user", "content": f"Repeat exactly, three times: {text}"}], target.tokenizer)
-    from tests.runtime.conftest import greedy_reference
-
-    ref = greedy_reference(target.model, prompt, 40, set(target.stop_ids))
-    (row,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
-    assert row.tokens == ref
-    assert max(row.accepted) >= 3 and sum(row.emitted) / len(row.emitted) > 1.5
-
-
-def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, drafter):
-    """The untrained drafter's chain is nearly never accepted; where the target repeats its prompt, the hybrid
-    shape drafts what prompt lookup drafts there (`hybrid:4,1`: wherever any suffix matched, as `ngram:4` does),
-    so it accepts like `ngram:4` — with the output unchanged."""
+@pytest.fixture(scope="module")
+def repeating(runtime, target):
+    """A prompt that makes the target repeat itself, its greedy answer (40 tokens) and `ngram:4`'s decoding of it:
+    both tests below read them (computed once, ~1.5 s of a core)."""
     from hstap.data import render_prompt
     from tests.runtime.conftest import greedy_reference
 
@@ -165,6 +151,21 @@ def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, dra
     prompt = render_prompt([{"role": "user", "content": f"Repeat exactly, three times: {text}"}], target.tokenizer)
     ref = greedy_reference(target.model, prompt, 40, set(target.stop_ids))
     (lookup,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
+    return prompt, ref, lookup
+
+
+def test_ngram_accepts_repeated_text(repeating):
+    """A prompt that makes the target repeat itself: prompt lookup drafts are accepted, output unchanged."""
+    _, ref, row = repeating
+    assert row.tokens == ref
+    assert max(row.accepted) >= 3 and sum(row.emitted) / len(row.emitted) > 1.5
+
+
+def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, drafter, repeating):
+    """The untrained drafter's chain is nearly never accepted; where the target repeats its prompt, the hybrid
+    shape drafts what prompt lookup drafts there (`hybrid:4,1`: wherever any suffix matched, as `ngram:4` does),
+    so it accepts like `ngram:4` — with the output unchanged."""
+    prompt, ref, lookup = repeating
     (hybrid,) = _generate(runtime, drafter, target, [prompt], "hybrid:4,1", max_new=40)
     (chain,) = _generate(runtime, drafter, target, [prompt], "chain:4", max_new=40)
     assert hybrid.tokens == ref == chain.tokens
