@@ -248,15 +248,16 @@ def test_a_budgeted_run_refits_to_the_steps_it_times(small_store, tmp_path, monk
 
 def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
     """`--init-from` starts where an earlier run (another device session, a smaller set) ended: its weights and
-    its draft vocabulary, loaded from the bf16 copy without the embedding that travels between machines."""
-    first = run_train(TrainConfig(store=small_store, out=tmp_path / "a", max_steps=3, batch_tokens=768, **FAST),
+    its draft vocabulary, loaded from the bf16 copy without the embedding that travels between machines. Batches of
+    256 tokens: the property is what is loaded, not how much the first run learned."""
+    first = run_train(TrainConfig(store=small_store, out=tmp_path / "a", max_steps=3, batch_tokens=256, **FAST),
                       progress=False)
     shipped = first.drafter.to(torch.bfloat16)
     shipped.save_pretrained(tmp_path / "shipped", include_embedding=False)
     # --draft-vocab unset, whose CPU default (8,192) is not the first run's 2,048: the drafter keeps its vocabulary
     # one step at a vanishing learning rate: what it started from, the shipped weights
     unset = {k: v for k, v in FAST.items() if k != "draft_vocab"}
-    again = run_train(TrainConfig(store=small_store, out=tmp_path / "b", max_steps=1, batch_tokens=768, lr=1e-12,
+    again = run_train(TrainConfig(store=small_store, out=tmp_path / "b", max_steps=1, batch_tokens=256, lr=1e-12,
                                   init_from=tmp_path / "shipped", **unset), progress=False)
     assert torch.equal(again.drafter.d2t, first.drafter.d2t)
     assert json.loads((tmp_path / "b" / "train_config.json").read_text())["draft_vocab"] == FAST["draft_vocab"]
