@@ -7,6 +7,8 @@ Converted weights are cached under $HSTAP_CACHE (default ~/.cache/hstap), so onl
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 # `make test` runs two xdist workers on two cores, and the tests start engines and trainers in subprocesses: idle
 # OpenMP threads must sleep, not spin, or every oversubscribed matmul waits on a spinning sibling. Set before
@@ -19,18 +21,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-# The files that take longest (seconds of one core, `make test`, 2026-12-03, --durations=0, summed per file) run
-# first. xdist hands whole files to its two workers in collection order when `make test` passes
+# The files that take longest (seconds of one core, `pytest -n 2 --dist loadfile`, 2026-12-03, --junitxml, summed per
+# file) run first. xdist hands whole files to its two workers in collection order when `make test` passes
 # --no-loadscope-reorder; by default it sorts them by their number of tests, which sent the slow few-test files
 # last and left one worker running alone for the last minute. Any file missing here keeps its place after them.
 # Second comes a file that does not need the shared small store the first one builds, so no worker starts by
 # waiting on its lock.
-SLOWEST_FIRST = ["train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py",
-                 "runtime/test_spec.py", "test_demo.py", "capture/test_run.py", "evaluate/test_run.py",
-                 "runtime/test_stream.py", "train/test_online.py", "serve/test_supervisor.py",
-                 "runtime/test_engine.py", "train/test_replay.py", "train/test_learning.py", "train/test_ddp.py",
-                 "runtime/test_fused_drafter.py", "synth/test_run.py", "capture/test_run_faults.py",
-                 "train/test_simulated_tau.py", "train/test_init_grow.py"]
+SLOWEST_FIRST = ["train/test_run.py", "synth/test_server.py", "runtime/test_spec.py", "test_demo.py",
+                 "capture/test_tensor_parallel.py", "train/test_learning.py", "serve/test_supervisor.py",
+                 "capture/test_run.py", "runtime/test_stream.py", "train/test_replay.py", "runtime/test_engine.py",
+                 "train/test_online.py", "train/test_ddp.py", "evaluate/test_run.py", "runtime/test_fused_drafter.py",
+                 "synth/test_run.py", "capture/test_run_faults.py", "train/test_simulated_tau.py",
+                 "capture/test_sglang.py", "synth/test_magpie.py", "train/test_init_grow.py"]
 
 
 def _schedule_rank(item) -> int:
@@ -61,6 +63,30 @@ def tokenizer():
     return load_tokenizer("smollm2")
 
 
+def _shared_root(tmp_path_factory) -> Path:
+    """The temp root every xdist worker of this run shares (this process's own root without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+def shared_json(tmp_path_factory, name: str, build: Callable[[], object]) -> object:
+    """`build()` once per run, shared by the xdist workers as JSON in their common temp root (a lock orders them):
+    for a deterministic session fixture that tests on both workers read, so the second worker reads it instead
+    of computing it again."""
+    import fcntl
+    import json
+
+    root = _shared_root(tmp_path_factory)
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(build()))
+            tmp.replace(path)  # whole or absent: a worker that failed half-way left nothing to read
+        return json.loads(path.read_text())
+
+
 SMALL_STORE = dict(limit=48, max_tokens=96)  # the small store's capture: online runs re-render exactly these
 
 
@@ -76,8 +102,7 @@ def small_store(tmp_path_factory):
     from hstap.capture.config import CaptureConfig
     from hstap.capture.run import run_capture
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    root = _shared_root(tmp_path_factory)
     out = root / "small_store" / "store"
     with open(root / "small_store.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

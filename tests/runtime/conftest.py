@@ -10,6 +10,7 @@ import torch
 
 from hstap.data import load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
+from tests.conftest import shared_json
 
 MAX_NEW = 16
 
@@ -58,8 +59,11 @@ def greedy_reference(model, prompt: list[int], max_new: int, stop_ids: set[int])
 
 
 @pytest.fixture(scope="session")
-def references(target, prompts) -> list[list[int]]:
-    return [greedy_reference(target.model, p, MAX_NEW, set(target.stop_ids)) for p in prompts]
+def references(target, prompts, tmp_path_factory) -> list[list[int]]:
+    """The prompts' greedy answers, computed once per run: test_spec and test_fused_drafter usually run on
+    different xdist workers, and each worker decoding them cost ~5 s of a core."""
+    return shared_json(tmp_path_factory, "runtime_references",
+                       lambda: [greedy_reference(target.model, p, MAX_NEW, set(target.stop_ids)) for p in prompts])
 
 
 def fake_slot(start: list[int], write_at: list[int], length: int = 64) -> SimpleNamespace:

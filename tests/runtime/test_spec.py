@@ -38,14 +38,22 @@ def test_greedy_equals_plain_decoding(runtime, target, drafter, prompts, referen
         assert len(row.accepted) == len(row.emitted) and sum(row.emitted) == 9
 
 
+@pytest.fixture(scope="module")
+def rehearsed(target) -> Runtime:
+    """One rehearsing runtime for every shape below, as `hstap eval` keeps one for all of its methods: each shape
+    still captures (rehearses) its own verification graphs; the prefill graphs, one per set of aux layers, are
+    rehearsed by the first shape that needs them instead of once per shape (~3 s of a core)."""
+    return Runtime(target.model, batch_size=2, max_len=2048, rehearse=True)
+
+
 @pytest.mark.parametrize("shape", ["vanilla", "ngram:2", "chain:3", "tree:4,3,12", "hybrid:3,2"])
-def test_graph_path_bookkeeping(target, drafter, prompts, references, shape):
+def test_graph_path_bookkeeping(rehearsed, target, drafter, prompts, references, shape):
     """What the CUDA path does besides capturing — warm-up runs of every graph body with the state restored,
     attention over the whole cache, one cycle launched ahead — leaves the output unchanged (rows of 2; chain
     and tree with oracle drafts, so acceptances and the cache gather run under the rehearsal too)."""
     from hstap.runtime.decode import Request, decode
 
-    runtime = Runtime(target.model, batch_size=2, max_len=2048, rehearse=True)
+    runtime = rehearsed
     want = [ref[:10] for ref in references[2:]]
     if shape == "vanilla":
         with torch.inference_mode():
@@ -134,24 +142,10 @@ def test_greedy_equals_plain_decoding_with_long_acceptances(runtime, target, dra
     assert len({len(r.accepted) for r in rows}) > 1  # rows advanced by different counts in one batch
 
 
-def test_ngram_accepts_repeated_text(runtime, target):
-    """A prompt that makes the target repeat itself: prompt lookup drafts are accepted, output unchanged."""
-    from hstap.data import render_prompt
-
-    text = "one two three four five six seven eight nine ten"
-    prompt = render_prompt([{"role": "user", "content": f"Repeat exactly, three times: {text}"}], target.tokenizer)
-    from tests.runtime.conftest import greedy_reference
-
-    ref = greedy_reference(target.model, prompt, 40, set(target.stop_ids))
-    (row,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
-    assert row.tokens == ref
-    assert max(row.accepted) >= 3 and sum(row.emitted) / len(row.emitted) > 1.5
-
-
-def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, drafter):
-    """The untrained drafter's chain is nearly never accepted; where the target repeats its prompt, the hybrid
-    shape drafts what prompt lookup drafts there (`hybrid:4,1`: wherever any suffix matched, as `ngram:4` does),
-    so it accepts like `ngram:4` — with the output unchanged."""
+@pytest.fixture(scope="module")
+def repeating(runtime, target):
+    """A prompt that makes the target repeat itself, its greedy answer (40 tokens) and `ngram:4`'s decoding of it:
+    both tests below read them (computed once, ~1.5 s of a core)."""
     from hstap.data import render_prompt
     from tests.runtime.conftest import greedy_reference
 
@@ -159,6 +153,21 @@ def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, dra
     prompt = render_prompt([{"role": "user", "content": f"Repeat exactly, three times: {text}"}], target.tokenizer)
     ref = greedy_reference(target.model, prompt, 40, set(target.stop_ids))
     (lookup,) = _generate(runtime, None, target, [prompt], "ngram:4", max_new=40)
+    return prompt, ref, lookup
+
+
+def test_ngram_accepts_repeated_text(repeating):
+    """A prompt that makes the target repeat itself: prompt lookup drafts are accepted, output unchanged."""
+    _, ref, row = repeating
+    assert row.tokens == ref
+    assert max(row.accepted) >= 3 and sum(row.emitted) / len(row.emitted) > 1.5
+
+
+def test_hybrid_takes_prompt_lookup_where_the_answer_copies(runtime, target, drafter, repeating):
+    """The untrained drafter's chain is nearly never accepted; where the target repeats its prompt, the hybrid
+    shape drafts what prompt lookup drafts there (`hybrid:4,1`: wherever any suffix matched, as `ngram:4` does),
+    so it accepts like `ngram:4` — with the output unchanged."""
+    prompt, ref, lookup = repeating
     (hybrid,) = _generate(runtime, drafter, target, [prompt], "hybrid:4,1", max_new=40)
     (chain,) = _generate(runtime, drafter, target, [prompt], "chain:4", max_new=40)
     assert hybrid.tokens == ref == chain.tokens

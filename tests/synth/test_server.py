@@ -1,10 +1,14 @@
 """The server backend: retries, round-robin and model checks on a mock transport, then against real local servers
-(one that answers 500 and stalls at random, one that dies mid-run) wrapping the embedded SmolLM2."""
+(one that answers 500 and stalls at random, one that dies mid-run) wrapping the embedded SmolLM2; and `hstap synth`
+as a process against them: SIGKILL mid-run leaves only whole lines, and a re-run completes the exact set."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +22,7 @@ from hstap.synth.config import SynthConfig
 from hstap.synth.run import run_synth
 from hstap.synth.server import ModelMismatch, ServerBackend
 from hstap.synth.writer import failed_path
-from tests.synth.conftest import SHORT_QUESTIONS, read_records, server, write_jsonl
+from tests.synth.conftest import ENV, ROOT, SHORT_QUESTIONS, read_records, server, write_jsonl
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SAMPLING = TurnSampling(max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
@@ -156,3 +160,32 @@ def test_wrong_model_id_is_a_one_line_error(tmp_path, short_prompts, healthy_ser
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "serves 'HuggingFaceTB/SmolLM2-135M-Instruct', not 'some/other-model'" in err
+
+
+# `hstap synth` as a process. Here, not in a file of its own, so that it shares this file's session server: on
+# another xdist worker it started a healthy server of its own (~5 s of a core).
+def _lines(path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+
+
+def test_sigkill_mid_run_then_resume_is_exact(tmp_path, short_prompts, healthy_server):
+    """Each run SIGKILLs itself right after its n-th whole record (HSTAP_FAULT, no timer), with other requests
+    still in flight: the file holds only whole lines, and a re-run completes the exact set."""
+    out = tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "hstap.cli", "synth", "--server", healthy_server[0], "--data",
+           f"jsonl:{short_prompts}", "--out", str(out), "--max-new-tokens", "8", "--concurrency", "2"]
+    written = 0
+    for kill_after in (2, 4):
+        proc = subprocess.run(cmd, cwd=ROOT, env={**ENV, "HSTAP_FAULT": f"record-written:{kill_after}"},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        written += kill_after
+        text = out.read_text(encoding="utf-8")
+        assert text.endswith("\n"), "no partial line"
+        ids = [json.loads(line)["id"] for line in text.splitlines()]  # every line is a whole JSON record
+        assert len(ids) == len(set(ids)) == written
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "resumed past" in done.stdout
+    ids = [json.loads(line)["id"] for line in _lines(out)]
+    assert sorted(ids) == [f"q{k:02d}" for k in range(len(SHORT_QUESTIONS))], "exact set, no duplicates"

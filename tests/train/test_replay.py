@@ -3,6 +3,9 @@ cycle, for chains, prompt lookup and the hybrid of the two (fp32, CPU, the real 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -49,11 +52,19 @@ def trained(target, tokenizer):
     return prompts, answers, drafter.eval()
 
 
+@pytest.fixture(scope="module")
+def runs_at(target, trained) -> Callable[[int], list[list[int]]]:
+    """`chain_runs` of the trained drafter per chain depth, computed once: chain:3 and both hybrids of depth 3
+    replay the same runs (each call is a prefill of the answers and a drafting pass, ~1 s of a core)."""
+    _, answers, drafter = trained
+    return functools.cache(lambda depth: chain_runs(target, drafter, answers, depth))
+
+
 @pytest.mark.parametrize("spec", ["chain:3", "ngram:3", "hybrid:3,1", "hybrid:3,2"])
-def test_replay_equals_the_decoding_loop(target, trained, spec):
+def test_replay_equals_the_decoding_loop(target, trained, runs_at, spec):
     prompts, answers, drafter = trained
     shape = DraftShape.parse(spec)
-    runs = chain_runs(target, drafter, answers, shape.depth) if shape.uses_drafter else None
+    runs = runs_at(shape.depth) if shape.uses_drafter else None
     tokens, cycles = replay(answers, runs, shape, NEW)
     methods = Methods(target.model, drafter if shape.uses_drafter else None, len(prompts),
                       max(len(p.ids) for p in prompts) + NEW, [shape])
