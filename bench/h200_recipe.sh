@@ -403,7 +403,7 @@ open(sys.argv[2], 'w').writelines(lines)" "$RUN/prompts.jsonl" "$RUN/p0.jsonl"
   fi
   wait
   local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --lr ${LR:-1e-3} --epochs 30 --time-budget ${TRAIN_BUDGET:-540s} --calib-prompts 4 \
+    --lr ${LR:-5e-4} --epochs 30 --time-budget ${TRAIN_BUDGET:-540s} --calib-prompts 4 \
     --init-from $RUN/${init}_bf16 --data jsonl:$RUN/synth0.jsonl --out $RUN/$out"
   step c3_train $HSTAP $T
   ship_drafter "$out"
