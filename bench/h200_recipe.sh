@@ -39,6 +39,9 @@
 #    busy share, idle gaps), fused and @eager drafting side by side.
 # THROUGHPUT=1: first, while the assets arrive, bench/train_throughput.py on the SmolLM2 (32 x 2,048) and 8B
 #    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
+# SOURCES="sharegpt:8 magpie:6 code:6" (the default): R1's sources and weights. The first-turn ShareGPT (~15k) and
+#    stdlib pools are finite: by the twelfth run half the ShareGPT prompts had been answered before; only Magpie
+#    gives new prompts at scale (at the cost of R1's sampling time).
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
 # EAGER_AB=1: R4 also decodes chain 3 and the 60-node tree with the drafter's steps unfused (@eager; off by default
@@ -166,7 +169,8 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
 provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
   echo "$seed" > "$RUN/results/prompt_seed.txt"
   lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" --seed "$seed" \
-    --source sharegpt:8 --source magpie:6 --source code:6 --device cuda --batch-size 256
+    $(for src in ${SOURCES:-sharegpt:8 magpie:6 code:6}; do printf -- '--source %s ' "$src"; done) --device cuda \
+    --batch-size 256
   if [ "$NGPU" -gt 1 ]; then
     b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
       --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
