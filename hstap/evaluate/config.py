@@ -19,7 +19,7 @@ class EvalConfig(BaseModel):
 
     model: str = option("smollm2", "the target: 'smollm2' or a checkpoint dir")
     drafter: Path | None = option(None, "drafter run directory (written by `hstap train`) or a shipped drafter's "
-                                        "name (smollm2-recipe); needed by chain and tree shapes")
+                                        "name (reference = smollm2-recipe); needed by chain and tree shapes")
     bench: str = option("mt-bench", "mt-bench | sharegpt | jsonl:PATH (first user turn each)")
     limit: int | None = option(None, "first N prompts", ge=1)
     ngram: list[int] = option(default_factory=list, help="prompt lookup (n-gram) draft of K tokens, no drafter "
