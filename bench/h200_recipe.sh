@@ -36,7 +36,8 @@
 # PROFILE=1: R4 first profiles the online trainer's step (bench/train_online.py --profile), before MT-bench (on
 #    2026-12-02 it came last and the session's device time ran out before it).
 # SPEC_PROFILE=1: R4 ends with the decoding cycles' device timeline (bench/spec_profile.py: kernels per cycle,
-#    busy share, idle gaps), fused and @eager drafting side by side.
+#    busy share, idle gaps, and the 25 costliest kernels of each method beside vanilla's), for PROFILE_SHAPES
+#    (default chain:3 tree:8,8,60; add @eager shapes for the unfused drafting beside).
 # THROUGHPUT=1: first, while the assets arrive, bench/train_throughput.py on the SmolLM2 (32 x 2,048) and 8B
 #    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
 # SOURCES="sharegpt:8 magpie:6 code:6" (the default): R1's sources and weights. The first-turn ShareGPT (~15k) and
@@ -286,8 +287,9 @@ open(sys.argv[2], 'w').writelines(lines)" "$todo" "$RUN/shuffled.jsonl"
       --limit 40 --shapes chain:3 --kv-write index_copy --log "$RUN/results/spec_kv.jsonl" $PF
   fi
   if [ -n "${SPEC_PROFILE:-}" ]; then  # what fills a decoding cycle on the device: kernels, busy share, idle gaps
-    step r4_spec_profile $PY bench/spec_profile.py --drafter "$RUN/drafter" --prompts 4 --json \
-      --shapes ngram:3 chain:3 chain:3@eager hybrid:4,2 tree:8,8,60 tree:8,8,60@eager
+    # (the kernels per name too: the tree's drafting, 1.32 of its 3.76 ms a cycle, has never been broken down)
+    step r4_spec_profile $PY bench/spec_profile.py --drafter "$RUN/drafter" --prompts 4 --json --top 25 \
+      --shapes ${PROFILE_SHAPES:-chain:3 tree:8,8,60}
   fi
   if [ -n "${AB_ARGS:-}" ]; then
     bundle
