@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 
+def _key(messages: list[dict]) -> str:
+    """Messages as canonical JSON (role and content of each): the one form both keys below compare in."""
+    return json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)
+
+
 def prompt_key(record: dict, where: str) -> str:
-    """The conversation before the record's last answer, as canonical JSON (role and content of each message)."""
+    """The conversation before the record's last answer."""
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
-    if messages[-1].get("role") == "assistant":
-        messages = messages[:-1]
-    return json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)
+    return _key(messages[:-1] if messages[-1].get("role") == "assistant" else messages)
 
 
 def first_turn_key(record: dict, where: str) -> str:
@@ -40,51 +44,52 @@ def first_turn_key(record: dict, where: str) -> str:
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"] if isinstance(messages, list) else []
     if not users:
         raise ValueError(f"{where}: field 'messages' must be a list of {{role, content}} objects with a user turn")
-    return json.dumps([[m.get("role"), m.get("content")] for m in messages[: users[0] + 1]], ensure_ascii=False)
+    return _key(messages[: users[0] + 1])
 
 
-def _answered(paths: list[Path]) -> set[str]:
-    keys = set()
-    for path in paths:
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                keys.add(prompt_key(json.loads(line), f"{path}:{n}"))
-    return keys
+def _records(path: Path) -> Iterator[tuple[str, str, dict]]:
+    """(where, line with its newline, record) of every non-blank line of a JSONL file."""
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON record ({e.msg}); expected one object per line") from None
+            yield f"{path}:{n}", line if line.endswith("\n") else line + "\n", record
 
 
 def unanswered(prompts: Path, out: Path, prior: list[Path]) -> dict[str, int]:
     """Write to `out` the records of `prompts` whose first turn no `prior` answer file answers (first-turn synth);
     → counts: prompts, kept, answered_before."""
-    answered, total, kept = _answered(prior), 0, 0
-    with prompts.open() as f, out.open("w") as w:
-        for total, line in enumerate(f, 1):
-            if first_turn_key(json.loads(line), f"{prompts}:{total}") in answered:
-                continue
-            w.write(line if line.endswith("\n") else line + "\n")
-            kept += 1
+    answered = {prompt_key(record, where) for path in prior for where, _, record in _records(path)}
+    total = kept = 0
+    with out.open("w") as w:
+        for where, line, record in _records(prompts):
+            total += 1
+            if first_turn_key(record, where) not in answered:
+                w.write(line)
+                kept += 1
     return {"prompts": total, "kept": kept, "answered_before": total - kept}
 
 
 def merge(new: Path, prior: list[Path]) -> dict[str, int]:
     """Append to `new` every record of the `prior` files whose prompt `new` does not hold yet (nor an earlier prior
     record); → counts: this_session, prior_added, prior_answered_again (the prior records left out)."""
-    seen, this_session = set(), 0
-    with new.open() as f:
-        for this_session, line in enumerate(f, 1):
-            seen.add(prompt_key(json.loads(line), f"{new}:{this_session}"))
-    added = again = 0
+    mine = [prompt_key(record, where) for where, _, record in _records(new)]
+    seen, added, again = set(mine), 0, 0
     with new.open("a") as out:
         for path in prior:
-            with path.open() as f:
-                for n, line in enumerate(f, 1):
-                    key = prompt_key(json.loads(line), f"{path}:{n}")
-                    if key in seen:
-                        again += 1
-                        continue
-                    seen.add(key)
-                    out.write(line if line.endswith("\n") else line + "\n")
-                    added += 1
-    return {"this_session": this_session, "prior_added": added, "prior_answered_again": again}
+            for where, line, record in _records(path):
+                key = prompt_key(record, where)
+                if key in seen:
+                    again += 1
+                    continue
+                seen.add(key)
+                out.write(line)
+                added += 1
+    return {"this_session": len(mine), "prior_added": added, "prior_answered_again": again}
 
 
 def main() -> None:

@@ -40,6 +40,9 @@ def test_a_record_without_messages_is_one_line_naming_file_and_line(tmp_path):
     prior.write_text(json.dumps(_record("b", "q2", "a2")) + "\n" + json.dumps({"id": "c", "messages": []}) + "\n")
     with pytest.raises(ValueError, match=r"synth0\.jsonl:2: field 'messages' must be a non-empty list"):
         bench_script("merge_answers").merge(new, [prior])
+    prior.write_text("\n" + json.dumps(_record("b", "q2", "a2")) + "\n{truncated\n")  # a blank line is no record
+    with pytest.raises(ValueError, match=r"synth0\.jsonl:3: not a JSON record .*one object per line"):
+        bench_script("merge_answers").merge(new, [prior])
 
 
 def test_unanswered_leaves_out_first_turns_a_prior_session_answered(tmp_path):
