@@ -249,35 +249,31 @@ class SpecDecoder:
         if st.drafts is None:
             return
         st.pend_count.zero_()
-        if slot.graph_width == width:  # the prefill replayed a graph of this width: the drafter's part does too
-            tokens, full, count = self._start_buffers(slot, width, aux)
-        else:
-            tokens = torch.empty(slot.batch, width, dtype=torch.long, device=ids.device)
-            full = aux.new_empty(slot.batch, *aux.shape[1:])
-            count = torch.full((slot.batch,), width, dtype=torch.long, device=ids.device)
+        # the prefill replayed a graph of this width: the drafter's part replays one too (eagerly it was ~2.7 ms of
+        # launches a prompt on an H200, chain:3's prefill 5.1 ms against prompt lookup's 2.4, 2026-12-03: enough
+        # to keep chain:3's speedup/τ at 0.84); its inputs then live in static buffers, kept per width
+        graphed = slot.graph_width == width
+        key = ("start", self.tag, width)
+        inputs = slot.buffers.get(key) if graphed else None
+        if inputs is None:  # the token after each position (B, W), the aux states (B, W, n·H), each row's count
+            inputs = (torch.empty(slot.batch, width, dtype=torch.long, device=ids.device),
+                      aux.new_empty(slot.batch, *aux.shape[1:]),
+                      torch.full((slot.batch,), width, dtype=torch.long, device=ids.device))
+            if graphed:
+                slot.buffers[key] = inputs
+        tokens, full, count = inputs
         tokens.zero_()
         tokens[:rows] = torch.cat([ids[:, 1:], first[:, None]], dim=1)  # the token after every prompt position
         full.zero_()
         full[:rows] = aux
-        if slot.graph_width != width:
-            extend(self.lean, st.drafts, slot, full, tokens, count, padded_start=True)
-            return
-        # eagerly, the drafter's forward over the prompt was ~2.7 ms of launches a prompt on an H200 (chain:3's
-        # prefill 5.1 ms against prompt lookup's 2.4, 2026-12-03): enough to keep chain:3's speedup/τ at 0.84
-        self.rt.graph(("start", self.tag, width),
-                      lambda: extend(self.lean, st.drafts, slot, full, tokens, count, padded_start=True),
-                      [st.drafts.hidden, st.drafts.logits])()
 
-    def _start_buffers(self, slot: Slot, width: int, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Static inputs of the graph of the drafter's step-0 entries over a prompt of `width` columns: the token
-        after each position (B, W), the target's aux states (B, W, n·H), every row's count (= W)."""
-        key = ("start", self.tag, width)
-        if key not in slot.buffers:
-            device = self.rt.device
-            slot.buffers[key] = (torch.zeros(slot.batch, width, dtype=torch.long, device=device),
-                                 aux.new_zeros(slot.batch, width, aux.shape[-1]),
-                                 torch.full((slot.batch,), width, dtype=torch.long, device=device))
-        return slot.buffers[key]
+        def body() -> None:
+            extend(self.lean, st.drafts, slot, full, tokens, count, padded_start=True)
+
+        if graphed:
+            self.rt.graph(key, body, [st.drafts.hidden, st.drafts.logits])()
+        else:
+            body()
 
     # ---- one cycle ----------------------------------------------------------------------------------------
 
