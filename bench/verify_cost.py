@@ -309,19 +309,18 @@ def main() -> None:
         print(f"| {op} | {layout} | {' | '.join(str(census[q][(op, layout)]) for q in args.tokens)} |")
     if args.census:
         return
-    forms = mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda)
-    names = list(forms[0][1])
-    print(f"\n5. one layer's MLP in three forms, µs inside a graph (the runtime's here: {rt.lean.mlp_form})\n\n"
-          f"| M | {' | '.join(names)} |\n"
-          f"|---:|{'---:|' * len(names)}")
-    for m, us in forms:
-        print(f"| {m} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
-    writes = kv_write_table(rt, args.tokens, max(3, args.reps // 4), cuda)
-    names = list(writes[0][1])
-    print(f"\n6. one layer's K and V write into the cache in three forms, µs inside a graph (the runtime's: scatter)"
-          f"\n\n| Q | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
-    for q, us in writes:
-        print(f"| {q} | {' | '.join(f'{us[n]:.2f}' for n in names)} |")
+    print_forms(f"5. one layer's MLP in three forms, µs inside a graph (the runtime's here: {rt.lean.mlp_form})",
+                "M", mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda))
+    print_forms("6. one layer's K and V write into the cache in three forms, µs inside a graph (the runtime's: "
+                f"{rt.lean.kv_write})", "Q", kv_write_table(rt, args.tokens, max(3, args.reps // 4), cuda))
+
+
+def print_forms(title: str, size: str, rows: list[tuple[int, dict[str, float]]]) -> None:
+    """A section's table: one row per size, µs per form."""
+    names = list(rows[0][1])
+    print(f"\n{title}\n\n| {size} | {' | '.join(names)} |\n|---:|{'---:|' * len(names)}")
+    for n, us in rows:
+        print(f"| {n} | {' | '.join(f'{us[name]:.2f}' for name in names)} |")
 
 
 def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> None:
