@@ -19,6 +19,7 @@ seed-6 session, so `unanswered` saves synth that share of its time-boxed run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,16 +63,19 @@ def _records(path: Path) -> Iterator[tuple[str, str, dict]]:
 
 def unanswered(prompts: Path, out: Path, prior: list[Path]) -> dict[str, int]:
     """Write to `out` the records of `prompts` whose first turn no `prior` answer file answers (first-turn synth);
-    → counts: prompts, kept, answered_before."""
+    → counts: prompts, kept, answered_before, and answered_before per record `source` (how dry each pool runs)."""
     answered = {prompt_key(record, where) for path in prior for where, _, record in _records(path)}
-    total = kept = 0
+    total, kept, by_source = 0, 0, collections.Counter()
     with out.open("w") as w:
         for where, line, record in _records(prompts):
             total += 1
-            if first_turn_key(record, where) not in answered:
-                w.write(line)
-                kept += 1
-    return {"prompts": total, "kept": kept, "answered_before": total - kept}
+            if first_turn_key(record, where) in answered:
+                by_source[str(record.get("source", "?"))] += 1
+                continue
+            w.write(line)
+            kept += 1
+    return {"prompts": total, "kept": kept, "answered_before": total - kept,
+            "answered_before_by_source": dict(sorted(by_source.items()))}
 
 
 def merge(new: Path, prior: list[Path]) -> dict[str, int]:

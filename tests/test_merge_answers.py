@@ -49,11 +49,11 @@ def test_unanswered_leaves_out_first_turns_a_prior_session_answered(tmp_path):
     """A ShareGPT prompt keeps the dataset's own answers and later turns; first-turn synth answers its first user
     turn only, so that is what is matched against the prior answers."""
     prompts, out, prior = tmp_path / "prompts.jsonl", tmp_path / "todo.jsonl", tmp_path / "synth0.jsonl"
-    _write(prompts, [_record("sharegpt-a_0", "what is chicken", "ChatGPT's answer", "and a duck?", "..."),
-                     _record("magpie-0000001", "Name three rivers."),
-                     _record("code-x@1-explain", "Explain `f`.")])
+    records = [_record("sharegpt-a_0", "what is chicken", "ChatGPT's answer", "and a duck?", "..."),
+               _record("magpie-0000001", "Name three rivers."), _record("code-x@1-explain", "Explain `f`.")]
+    _write(prompts, [{**r, "source": r["id"].split("-")[0]} for r in records])
     _write(prior, [_record("sharegpt-z_0", "what is chicken", "A bird."),  # same first turn, another id
                    _record("magpie-0000001", "Write a haiku about rain.", "Rain taps...")])  # same id only
     counts = bench_script("merge_answers").unanswered(prompts, out, [prior])
-    assert counts == {"prompts": 3, "kept": 2, "answered_before": 1}
+    assert counts == {"prompts": 3, "kept": 2, "answered_before": 1, "answered_before_by_source": {"sharegpt": 1}}
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["magpie-0000001", "code-x@1-explain"]
