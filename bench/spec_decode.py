@@ -96,6 +96,12 @@ def compare(first: list[dict], second: list[dict]) -> str:
         tau_b = acceptance_length(sum(e for e, _ in b), sum(f for _, f in b))
         lo, hi = tau_difference_interval(b, a)
         lines.append(f"| {m} | {tau_a:.3f} | {tau_b:.3f} | {tau_b - tau_a:+.3f} | {lo:+.3f} to {hi:+.3f} |")
+    # wall time on the same prompts too: what an A/B of two runtimes (e.g. --kv-write) is about
+    lines += ["", "| method | ms per cycle, first | second | second − first |", "|---|---:|---:|---:|"]
+    for m in ["vanilla", *methods]:
+        ms = [1000 * sum(r["methods"][m]["seconds"] for r in log) / sum(r["methods"][m]["cycles"] for r in log)
+              for log in (ours, theirs)]
+        lines.append(f"| {m} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[1] - ms[0]:+.3f} |")
     return "\n".join(lines)
 
 
