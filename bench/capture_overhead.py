@@ -10,8 +10,8 @@ teachers, `hidden` and `topk:32` (`--teacher` picks, repeatable). The sink count
 speed is not part of the figure (the store's writer thread is measured separately). Variants alternate (plain,
 hidden, topk, plain, ...) and each tapped median is compared with the plain one: overhead = 1 − tapped / plain.
 For top-k teachers it then times the teacher's reduction alone on (batch·seq, V) logits of the model's dtype:
-`topk_logprobs` (what the tap runs) against the full-vocabulary `log_softmax → topk` it replaced, and prints the
-largest difference of their values.
+`topk_logprobs` (what the tap runs) against the full-vocabulary `log_softmax → topk` it replaced and against a
+bare `topk` over the whole row (what its block candidates avoid), and prints the largest difference of values.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def teacher_reduction_ms(logits: torch.Tensor, k: int, reps: int) -> dict[str, f
     """Median ms of the top-k teacher's reduction of `logits` (T, V): the cheap one and the one it replaced."""
     sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
     ways = {"topk_logprobs": lambda: topk_logprobs(logits, k),
-            "log_softmax+topk": lambda: torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)}
+            "log_softmax+topk": lambda: torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1),
+            "row topk alone": lambda: logits.topk(k, dim=-1)}  # what the block candidates avoid
     times: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(reps + 1):
         for name, way in ways.items():

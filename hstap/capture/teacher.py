@@ -1,13 +1,19 @@
-"""The top-k teacher: the target's top-k log-probabilities per position, without a full-vocabulary log-softmax.
+"""The top-k teacher: the target's top-k log-probabilities per position, without a full-vocabulary log-softmax
+and without a full-vocabulary top-k.
 
     values, ids = topk_logprobs(logits, k=32)    # logits (..., V) any float dtype → (..., k) fp32, (..., k) long
 
 log_softmax(x)_i = (x_i − m) − log Σ_j exp(x_j − m) (m the row max) is monotone in x_i, so the top-k of the raw
-logits are the top-k of the log-probs, and top-k's first value is m: only one scalar per row, log Σ exp(x − m),
-is left to compute over the vocabulary. On CUDA that is one compiled reduction reading the logits once (no fp32
-copy); elsewhere it is summed a block of rows at a time (at most `chunk_bytes` of fp32). Either way a batch's
-fp32 log-probs never exist: an 8B prefill of 8,192 positions × 128,256 logits used to write 4.2 GB of them and
-run top-k over them, which cost 10 % of the prefill on an H200 (docs/benchmarks.md).
+logits are the top-k of the log-probs. Two things are left to compute over the vocabulary, and one pass over the
+logits gives both: the row's vocabulary is cut into blocks of `block` columns and each block yields its max m_b
+and Σ exp(x − m_b). Then
+- log Σ_j exp(x_j − m) = log Σ_b s_b · exp(m_b − m), with m = max_b m_b (the usual merge of partial sums);
+- the top k values lie in the k blocks with the largest maxima: a value outside them has those k maxima above it
+  (ties aside, which only swap equal values), so top-k runs over k·block gathered candidates, not all V columns.
+On an 8B target (128,256 logits a position) that is 4,096 candidates instead of 128,256: `torch.topk` over the
+whole row cost most of the 8.6 ms the teacher's reduction took per 8,192 positions on an H200 (docs/benchmarks.md).
+On CUDA the block pass is one compiled reduction reading the logits once (no fp32 copy); elsewhere it runs a
+block of rows at a time (at most `chunk_bytes` of fp32). A batch's fp32 log-probs never exist.
 
 The formula is log_softmax's own, (x − m) − log Σ exp(x − m) in fp32, so the values agree with
 `log_softmax(x.float()).topk(k)` to fp32 rounding (only the order of the sum differs); tied logits may come back
@@ -23,48 +29,88 @@ import warnings
 import torch
 
 CHUNK_BYTES = 256 << 20  # fp32 scratch per block of rows off CUDA: 523 positions of a 128,256-token vocabulary
+BLOCK = 128  # vocabulary columns per block: k = 32 gathers 4,096 candidates, 1/31 of an 8B target's vocabulary
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, chunk_bytes: int = CHUNK_BYTES,
+                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k log-probs of each row of `logits` (..., V). Returns values (..., k) fp32, sorted descending, and
-    their ids (..., k) long. Extra memory: the (..., k) results, plus one fp32 block of `chunk_bytes` off CUDA."""
-    top = logits.topk(k, dim=-1)  # (..., k) on the raw logits, in their own dtype
-    flat = logits.reshape(-1, logits.shape[-1])  # (T, V), a view for contiguous logits
-    peak = top.values.reshape(-1, k)[:, :1].float()  # (T, 1) the row max
-    logsum = _fused_logsum(flat, peak) if logits.is_cuda else _chunked_logsum(flat, peak, chunk_bytes)  # (T, 1)
-    values = (top.values.reshape(-1, k).float() - peak) - logsum  # (T, k)
-    return values.view(top.values.shape), top.indices
+    their ids (..., k) long. Extra memory: the (..., k·block) candidates, plus one fp32 block of `chunk_bytes`
+    off CUDA. A vocabulary under 2·k·block columns takes top-k over the whole row (nothing to save)."""
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)  # (T, V), a view for contiguous logits
+    whole = vocab // block * block  # columns in whole blocks; the tail past them is its own small block
+    maxes, sums = _block_stats(flat, whole, block, chunk_bytes)  # (T, nb [+1]) fp32 each
+    peak = maxes.amax(-1, keepdim=True)  # (T, 1) the row max
+    logsum = (sums * (maxes - peak).exp()).sum(-1, keepdim=True).log()  # (T, 1) log Σ exp(x − m)
+    if 2 * k * block <= vocab:
+        raw, ids = _topk_in_best_blocks(flat, maxes[:, :whole // block], k, whole, block)
+    else:
+        raw, ids = flat.topk(k, dim=-1)
+    values = (raw.float() - peak) - logsum  # (T, k)
+    return values.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
 
 
-def _logsum(block: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """log Σ exp(x − m) per row, in fp32: block (c, V) any float dtype, peak (c, 1) fp32 → (c, 1)."""
-    return (block - peak).exp_().sum(-1, keepdim=True).log_()  # the subtraction upcasts to fp32
+def _topk_in_best_blocks(flat: torch.Tensor, maxes: torch.Tensor, k: int, whole: int, block: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of flat (T, V) among the columns of the k blocks with the largest maxima (T, nb) plus the tail
+    columns [whole, V). → raw values (T, k) in flat's dtype, sorted descending, and their column ids (T, k)."""
+    best = maxes.topk(k, dim=-1).indices  # (T, k) block numbers
+    cols = (best[:, :, None] * block + torch.arange(block, device=flat.device)).flatten(1)  # (T, k·block)
+    if whole < flat.shape[1]:
+        tail = torch.arange(whole, flat.shape[1], device=flat.device).expand(flat.shape[0], -1)
+        cols = torch.cat([cols, tail], 1)
+    top = flat.gather(1, cols).topk(k, dim=-1)
+    return top.values, cols.gather(1, top.indices)
 
 
-def _chunked_logsum(flat: torch.Tensor, peak: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-    logsum = torch.empty_like(peak)  # (T, 1)
-    rows = max(1, chunk_bytes // (4 * flat.shape[-1]))
-    for start in range(0, flat.shape[0], rows):
-        logsum[start:start + rows] = _logsum(flat[start:start + rows], peak[start:start + rows])
-    return logsum
+def _stats(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of (T, nb, c) logits: its max and Σ exp(x − max), fp32 (T, nb) each. An all −inf block (a masked
+    slice) gives max −inf and sum 0, not NaN."""
+    top = blocks.amax(-1, keepdim=True).float()  # (T, nb, 1)
+    shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    return top[..., 0], (blocks.float() - shift).exp().sum(-1)  # the subtraction upcasts to fp32
+
+
+def _block_stats(flat: torch.Tensor, whole: int, block: int, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_stats` of flat's whole blocks and, as one more block, its tail past `whole` (when V is not a multiple of
+    `block`): compiled on CUDA, a chunk of rows at a time elsewhere. → maxes, sums (T, nb [+ 1]) fp32."""
+    rows = flat.shape[0]
+    blocks = flat[:, :whole].reshape(rows, whole // block, block)  # a view of contiguous logits
+    maxes, sums = _fused_stats(blocks, chunk_bytes) if flat.is_cuda and whole else _chunked_stats(blocks, chunk_bytes)
+    if whole < flat.shape[1]:
+        tail_max, tail_sum = _stats(flat[:, None, whole:])  # (T, 1) each
+        maxes, sums = torch.cat([maxes, tail_max], 1), torch.cat([sums, tail_sum], 1)
+    return maxes, sums
 
 
 @functools.cache
-def _compiled_logsum():
-    return torch.compile(_logsum, dynamic=True)  # row counts vary per batch: one kernel for all
+def _compiled_stats():
+    return torch.compile(_stats, dynamic=True)  # row counts vary per batch: one kernel for all
 
 
 _EAGER_ONLY: list[str] = []  # why the compiled reduction is not used in this process, once it failed
 
 
-def _fused_logsum(flat: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """`_logsum` compiled into one reduction over the logits; the chunked form if compilation is unavailable
+def _chunked_stats(blocks: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_stats` a chunk of rows at a time, so its fp32 scratch stays within `chunk_bytes`."""
+    rows, count, width = blocks.shape
+    maxes = torch.empty(rows, count, device=blocks.device)
+    sums = torch.empty_like(maxes)
+    per = max(1, chunk_bytes // max(1, 4 * count * width))
+    for start in range(0, rows, per):
+        maxes[start:start + per], sums[start:start + per] = _stats(blocks[start:start + per])
+    return maxes, sums
+
+
+def _fused_stats(blocks: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_stats` compiled into one reduction over the logits; the chunked form if compilation is unavailable
     (the same numbers, more memory traffic), with a warning."""
     if not _EAGER_ONLY:
         try:
-            return _compiled_logsum()(flat, peak)
+            return _compiled_stats()(blocks)
         except Exception as exc:  # noqa: BLE001 — a missing toolchain must not cost the capture its teacher
             _EAGER_ONLY.append(f"{type(exc).__name__}: {exc}")
-            warnings.warn(f"top-k teacher: compiled log-sum-exp unavailable, using the chunked one ({_EAGER_ONLY[0]})",
+            warnings.warn(f"top-k teacher: compiled block reduction unavailable, using the chunked one ({_EAGER_ONLY[0]})",
                           stacklevel=2)
-    return _chunked_logsum(flat, peak, CHUNK_BYTES)
+    return _chunked_stats(blocks, chunk_bytes)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstap.capture.teacher import topk_logprobs
+from hstap.capture.teacher import BLOCK, topk_logprobs
 
 
-def _assert_same_topk(logits: torch.Tensor, k: int, chunk_bytes: int, atol: float = 2e-6) -> None:
+def _assert_same_topk(logits: torch.Tensor, k: int, chunk_bytes: int, atol: float = 2e-6, block: int = BLOCK) -> None:
     """Against log_softmax → topk in fp64 (exact for fp32 results): fp32's own log_softmax is off by 2.2e-5 on
     SmolLM2's logits (its 49,152-term sum), the chunked sum by 4e-7 (docs/benchmarks.md)."""
-    values, ids = topk_logprobs(logits, k, chunk_bytes=chunk_bytes)
+    values, ids = topk_logprobs(logits, k, chunk_bytes=chunk_bytes, block=block)
     ref = torch.log_softmax(logits.double(), dim=-1)  # (..., V)
     ref_values = ref.topk(k, dim=-1).values.float()
     assert values.dtype == torch.float32 and ids.dtype == torch.long and values.shape == ref_values.shape
@@ -35,6 +35,31 @@ def test_random_logits_with_ties_and_minus_inf(dtype):
     logits[3, 3, ::7] = logits[3, 3].max() - 0.5  # ties below the max
     for rows in (20, 3, 1):  # one block, ragged blocks, a row at a time
         _assert_same_topk(logits, 32, chunk_bytes=4 * 300 * rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_from_the_best_blocks(dtype):
+    """The block path (V ≥ 2·k·block): 8-column blocks, k = 4, V = 300 (a 4-column tail past the 37 whole
+    blocks), rows built so the answer sits where a wrong candidate set would miss it."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(9, 300, generator=gen)).to(dtype)
+    logits[0, 8:12] = 50.0  # the whole top 4 inside one block
+    logits[1, [3, 100, 200, 290]] = torch.tensor([40.0, 41.0, 42.0, 43.0]).to(dtype)  # one per block
+    logits[2, 297] = 60.0  # the max in the tail
+    logits[2, 296:300] = torch.tensor([55.0, 60.0, 58.0, 57.0]).to(dtype)  # the whole top 4 in the tail
+    logits[3, 16:24] = logits[3].max()  # block maxima tied with each other ...
+    logits[3, 64:72] = logits[3].max()  # ... across blocks: equal values, any of their ids
+    logits[4, 2:] = float("-inf")  # two finite logits for k = 4: the top-k ends in -inf
+    logits[5] = 1.0  # all tied
+    logits[6, :296] = float("-inf")  # only the tail is finite
+    logits[7, ::8] = 30.0  # every block's max tied, the rest below
+    for rows in (9, 2, 1):
+        _assert_same_topk(logits, 4, chunk_bytes=4 * 300 * rows, block=8)
+    values, ids = topk_logprobs(logits, 4, block=8)
+    assert sorted(ids[0].tolist()) == [8, 9, 10, 11] and sorted(ids[2].tolist()) == [296, 297, 298, 299]
+    assert ids[1].tolist() == [290, 200, 100, 3]
+    assert torch.isfinite(values[4, :2]).all() and torch.isinf(values[4, 2:]).all()
+    assert (ids[6] >= 296).all() and torch.isfinite(values[6]).all()
 
 
 def test_more_inf_than_k_leaves_minus_inf_entries():
