@@ -47,6 +47,10 @@
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
 # EAGER_AB=1: R4 also decodes chain 3 and the 60-node tree with the drafter's steps unfused (@eager; off by default
 #    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
+# TEACHER=1: first, while the assets arrive, issue 15's capture overhead of both teachers on the 8B shape and the
+#    8B drafter step's kernel table. SYNTH_COMPILE=1: R2's synth with --compile-step, and beside R0
+#    bench/synth.py --check (greedy agreement of the eager and compiled bf16 steps with fp32). MICRO=0: R4 skips
+#    bench/prefill.py and bench/verify_cost.py (~70 s).
 # DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
 # KV_AB=1: R4 also decodes vanilla and chain 3 on 40 questions with the target cache written by index_copy
 #    (bench/spec_decode.py --kv-write index_copy), against the scatter of the main MT-bench run.
@@ -104,8 +108,9 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   local g=$1 t0=$SECONDS rc
   local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns ${TURNS:-first} --out $RUN/synth$g.jsonl \
     --device cuda --batch-size 256 --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
+  # SYNTH_COMPILE=1: the decode step through torch.compile (issue 12's 60k tok/s); a failure resumes without it
   step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    timeout -s INT "$SYNTH_S" $S
+    timeout -s INT "$SYNTH_S" $S ${SYNTH_COMPILE:+--compile-step}
   rc=$?
   local left=$((SYNTH_S - (SECONDS - t0)))
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 60 ]; then
@@ -154,6 +159,14 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
       --seq 2048 8192 --steps 5 --fused both --json
     bundle
   fi
+  if [ -n "${TEACHER:-}" ]; then  # issue 15, random 8B weights (no assets): the tap's cost with both teachers
+    # against plain prefill (the top-k now from the k best 128-column vocabulary blocks), then the 8B drafter
+    # step's kernel table (what stands between its MFU and 55 %)
+    step r0_capture_overhead $PY bench/capture_overhead.py --device cuda --shape 8b --batch 4 --seq 2048 --reps 10
+    step r0_throughput_8b_profile $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 \
+      --batch 1 --seq 2048 --steps 5 --profile 30
+    bundle
+  fi
   wait_assets
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
@@ -163,6 +176,12 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
     tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
     tests/runtime/test_gpu.py tests/runtime/test_prefill.py tests/runtime/test_graph_prefill.py \
     tests/runtime/test_attention.py tests/capture/test_tap.py &
+  if [ -n "${SYNTH_COMPILE:-}" ]; then  # issue 12: is the compiled decode step's bf16 output as right as the eager
+    # kernels'? Greedy tokens of both against an fp32 copy, 64 ShareGPT prompts (beside R0/R1: its timings are not
+    # the figure; R2's synth with --compile-step is)
+    step r0_synth_check $PY bench/synth.py --device cuda --batch 64 --prompts 64 --new 256 --reps 1 --compile \
+      --check 64 &
+  fi
   # R1: prompts on GPU 0; B3 (small, on ShareGPT's own answers) on both GPUs meanwhile
   # a drafter continued across sessions meets new prompts each session: the seed is the number of sessions the
   # shipped drafter has had (this session's was 0 on 2026-12-02), unless PROMPT_SEED says otherwise
@@ -259,12 +278,12 @@ open(sys.argv[2], 'w').writelines(lines)" "$todo" "$RUN/shuffled.jsonl"
   local SHAPES=${SHAPES:-"ngram:3 chain:3 hybrid:4,2 tree:4,4,16 tree:8,8,60"}
   [ -n "${EAGER_AB:-}" ] && SHAPES="$SHAPES chain:3@eager tree:8,8,60@eager"
   # the runtime's two prefill paths side by side first (issue 17: the lean prefill's first GPU run, ~1 min)
-  step r4_prefill env CUDA_VISIBLE_DEVICES=0 $PY bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 \
+  [ "${MICRO:-1}" = 1 ] && step r4_prefill env CUDA_VISIBLE_DEVICES=0 $PY bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 \
     --reps 20
   # what a Q-token verification costs over a 1-token step, kernel by kernel (random SmolLM2-shaped weights, ~25 s):
   # on 2026-12-03 a 2-token block cost +0.20 ms: the q rows' fold and the output's unfold copies, which the grouped
   # layout of hstap/runtime/attention.py now avoids (test_attention.py's gpu test checks cuDNN keeps the layout)
-  step r4_verify_cost env CUDA_VISIBLE_DEVICES=0 $PY bench/verify_cost.py --device cuda --tokens 1 2 4 16 61 \
+  [ "${MICRO:-1}" = 1 ] && step r4_verify_cost env CUDA_VISIBLE_DEVICES=0 $PY bench/verify_cost.py --device cuda --tokens 1 2 4 16 61 \
     --reps 10 --no-gemm
   # the graph-replayed prefill's first CUDA run is that bench's lean+graph column: should a capture have failed
   # there, MT-bench prefills eagerly from the start (a failed MT-bench run costs ~5 min of the session)

@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--compile", action="store_true", help="also time the static path with a torch.compile'd step")
+    ap.add_argument("--check", type=int, default=0, metavar="N",
+                    help="then decode the first N prompts with every runtime path and with an fp32 copy of the model: "
+                         "how many greedy tokens each bf16 path keeps equal to fp32 (is the compiled step as right "
+                         "as the eager kernels?)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,6 +121,40 @@ def main() -> None:
           f"{args.batch}, {args.new} new tokens per row, {tokens} tokens per pass, median of {args.reps}")
     for name, r in rate.items():
         print(f"{name:>36}: {r:9.1f} tok/s  ({r / rate['generate']:.2f}x generate)")
+    if args.check:
+        paths = {"static": static, **({"static + compile": compiled} if args.compile else {})}
+        check_against_fp32(paths, prompts[:args.check], args, pad)
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_against_fp32(paths: dict[str, Runtime], prompts: list[list[int]], args, pad: int) -> None:
+    """Greedy tokens of each runtime path against the same runtime on an fp32 copy of the model, per prompt: the
+    length of the equal prefix (bf16 paths drift from fp32 at near-tied logits; a wrong kernel drifts at once)."""
+    reference = load_target("smollm2", device=args.device, dtype=torch.float32).model
+    paths = {"fp32 static": Runtime(reference, batch_size=args.batch, max_len=args.max_prompt + args.new + 256,
+                                    cuda_graphs=args.device.startswith("cuda")), **paths}
+    out: dict[str, list[list[int]]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for name, stepper in paths.items():
+            for i in range(0, len(prompts), args.batch):
+                gens = decode(stepper, [Request(p, args.new) for p in prompts[i:i + args.batch]], pad, [], args.device)
+                out[name] += [g.tokens for g in gens]
+    ref = out.pop("fp32 static")
+    print(f"greedy agreement with fp32 over {len(prompts)} prompts x {args.new} tokens (equal prefix length):")
+    for name, seqs in out.items():
+        prefix = [_same_prefix(s, r) for s, r in zip(seqs, ref)]
+        whole = sum(p == args.new for p in prefix)
+        print(f"{name:>36}: mean {statistics.mean(prefix):6.1f}, median {statistics.median(prefix):6.1f}, "
+              f"all {args.new} equal in {whole} of {len(prompts)}; first 16 equal in "
+              f"{sum(p >= 16 for p in prefix)}")
+    if len(out) == 2:
+        a, b = out.values()
+        prefix = [_same_prefix(x, y) for x, y in zip(a, b)]
+        print(f"{'static vs static + compile':>36}: mean {statistics.mean(prefix):6.1f}, "
+              f"all equal in {sum(p == args.new for p in prefix)} of {len(prompts)}")
 
 
 if __name__ == "__main__":
