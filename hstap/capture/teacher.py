@@ -9,7 +9,8 @@ logits gives both: the row's vocabulary is cut into blocks of `block` columns an
 and Σ exp(x − m_b). Then
 - log Σ_j exp(x_j − m) = log Σ_b s_b · exp(m_b − m), with m = max_b m_b (the usual merge of partial sums);
 - the top k values lie in the k blocks with the largest maxima: a value outside them has those k maxima above it
-  (ties aside, which only swap equal values), so top-k runs over k·block gathered candidates, not all V columns.
+  (ties aside, which only swap equal values), so top-k runs over k·block gathered candidates, not all V columns
+  (`hstap.topk`, which the tree drafter's expansion uses too).
 On an 8B target (128,256 logits a position) that is 4,096 candidates instead of 128,256: `torch.topk` over the
 whole row cost most of the 8.6 ms the teacher's reduction took per 8,192 positions on an H200 (docs/benchmarks.md).
 On CUDA the block pass is one compiled reduction reading the logits once (no fp32 copy); elsewhere it runs a
@@ -28,8 +29,9 @@ import warnings
 
 import torch
 
+from hstap.topk import BLOCK, topk_in_best_blocks
+
 CHUNK_BYTES = 256 << 20  # fp32 scratch per block of rows off CUDA: 523 positions of a 128,256-token vocabulary
-BLOCK = 128  # vocabulary columns per block: k = 32 gathers 4,096 candidates, 1/31 of an 8B target's vocabulary
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, chunk_bytes: int = CHUNK_BYTES,
@@ -44,24 +46,11 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunk_bytes: int = CHUNK_BYTES,
     peak = maxes.amax(-1, keepdim=True)  # (T, 1) the row max
     logsum = (sums * (maxes - peak).exp()).sum(-1, keepdim=True).log()  # (T, 1) log Σ exp(x − m)
     if 2 * k * block <= vocab:
-        raw, ids = _topk_in_best_blocks(flat, maxes[:, :whole // block], k, whole, block)
+        raw, ids = topk_in_best_blocks(flat, maxes[:, :whole // block], k, block)
     else:
         raw, ids = flat.topk(k, dim=-1)
     values = (raw.float() - peak) - logsum  # (T, k)
     return values.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
-
-
-def _topk_in_best_blocks(flat: torch.Tensor, maxes: torch.Tensor, k: int, whole: int, block: int,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of flat (T, V) among the columns of the k blocks with the largest maxima (T, nb) plus the tail
-    columns [whole, V). → raw values (T, k) in flat's dtype, sorted descending, and their column ids (T, k)."""
-    best = maxes.topk(k, dim=-1).indices  # (T, k) block numbers
-    cols = (best[:, :, None] * block + torch.arange(block, device=flat.device)).flatten(1)  # (T, k·block)
-    if whole < flat.shape[1]:
-        tail = torch.arange(whole, flat.shape[1], device=flat.device).expand(flat.shape[0], -1)
-        cols = torch.cat([cols, tail], 1)
-    top = flat.gather(1, cols).topk(k, dim=-1)
-    return top.values, cols.gather(1, top.indices)
 
 
 def _stats(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

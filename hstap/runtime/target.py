@@ -162,10 +162,9 @@ class Runtime:
         self.device = self.lean.embed.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
-        # automatic dynamic shapes: the first cache length compiles static, a second one recompiles with the length
-        # symbolic, and that kernel serves every later length (dynamic=False compiled once per length, ~50 s each
-        # on an H200, and fell back to eager past torch._dynamo's recompile limit)
-        self.forward = torch.compile(self.lean.forward, dynamic=None) if compile_step else self.lean.forward
+        # static shapes: one compile per cache length. Automatic dynamic shapes (dynamic=None) were tried on the
+        # H200 on 2026-12-03 and ran the step 8x slower than the uncompiled graph (docs/benchmarks.md)
+        self.forward = torch.compile(self.lean.forward, dynamic=False) if compile_step else self.lean.forward
         self.len_bucket, self.max_slots, self.rehearse = len_bucket, max_slots, rehearse
         self.slots: OrderedDict[int, Slot] = OrderedDict()
         self.slot: Slot | None = None

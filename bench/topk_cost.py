@@ -1,0 +1,76 @@
+"""torch.topk against hstap.topk.block_topk, in the shapes the decoder and the teacher use, side by side.
+
+    python bench/topk_cost.py --device cuda
+
+Each way runs replayed from a CUDA graph (as the tree drafter's expansion does; eager on a CPU), `--reps` times
+after a warm-up, and its mean µs per call is printed with whether its values equal torch.topk's. Shapes: the
+tree:8,8,60 drafter's root row (1 × 16,384 fp32, k 8) and its per-depth rows (8 × 16,384, k 8), and an 8B
+teacher's prefill (8,192 × 128,256 bf16, k 32; eager, it is not graphed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hstap.topk import block_topk
+
+SHAPES = [("tree root", (1, 16384), torch.float32, 8, True), ("tree depth", (8, 16384), torch.float32, 8, True),
+          ("8B teacher", (8192, 128256), torch.bfloat16, 32, False)]
+
+
+def time_call(fn, reps: int, graph: bool) -> float:
+    """Mean µs of fn() over reps, replayed from a CUDA graph when `graph`."""
+    cuda = torch.cuda.is_available() and graph
+    if cuda:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        call = g.replay
+    else:
+        fn()
+        call = fn
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    sync()
+    return 1e6 * (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    print(f"device {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
+    print("| rows | shape | k | torch.topk µs | block_topk µs | compiled block_topk µs | values equal |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    compiled = torch.compile(block_topk, dynamic=False)
+    for name, shape, dtype, k, graph in SHAPES:
+        x = torch.randn(*shape, device=args.device, generator=gen).to(dtype)
+        reps = args.reps if graph else max(5, args.reps // 20)
+        ways = {"topk": lambda: x.topk(k, dim=-1), "block": lambda: block_topk(x, k), "compiled": lambda: compiled(x, k)}
+        us = {}
+        for way, fn in ways.items():
+            try:
+                us[way] = f"{time_call(fn, reps, graph and args.device.startswith('cuda')):.1f}"
+            except Exception as exc:  # noqa: BLE001 — a compile that fails here is a figure, not a crash
+                us[way] = f"failed ({type(exc).__name__})"
+        equal = torch.equal(block_topk(x, k)[0], x.topk(k, dim=-1).values)
+        print(f"| {name} | {' × '.join(map(str, shape))} {str(dtype).removeprefix('torch.')} | {k} | {us['topk']} | "
+              f"{us['block']} | {us['compiled']} | {equal} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
