@@ -93,3 +93,20 @@ def test_cuda_compiled_reduction_equals_the_reference():
         logits = (4 * torch.randn(rows, 128256, device="cuda", generator=gen)).to(torch.bfloat16)
         logits[0, :1000] = float("-inf")
         _assert_same_topk(logits, 32, chunk_bytes=0)
+
+
+def test_compile_failure_falls_back_to_the_eager_step(monkeypatch):
+    """On CUDA both steps are compiled; a toolchain that cannot compile costs a warning, not the teacher."""
+    from hstap.capture import teacher
+
+    def broken(fn):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(teacher, "_compiled", broken)
+    monkeypatch.setattr(teacher, "_EAGER_ONLY", [])
+    x = torch.randn(3, 40)
+    with pytest.warns(UserWarning, match="compiled topk_in_best_blocks unavailable"):
+        got = teacher._compiled_or(teacher.topk_in_best_blocks, (x, x[:, :40].view(3, 5, 8).amax(-1), 2, 8),
+                                   lambda: "eager")
+    assert got == "eager" and teacher._EAGER_ONLY  # and eager from then on, without trying again
+    assert teacher._compiled_or(teacher._stats, (x,), lambda: "eager again") == "eager again"
