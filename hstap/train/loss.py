@@ -26,14 +26,23 @@ CHUNK_BYTES = 512 << 20  # fp32 logits per block: 4,194 positions of a 32,000-to
 
 
 def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_draft_ids: torch.Tensor,
-                            target_probs: torch.Tensor, mask: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            target_probs: torch.Tensor, mask: torch.Tensor, chunk_bytes: int = CHUNK_BYTES,
+                            cast: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (B, S, H) normed states; weight (Vd, H) lm_head; target_draft_ids (B, S, K) draft ids (−1 outside
-    the draft vocab); target_probs (B, S, K); mask (B, S) bool positions counted.
+    the draft vocab); target_probs (B, S, K); mask (B, S) bool positions counted. `cast`: `weight` already in
+    the matmul dtype (`head_cast`), so the TTT unroll's steps share one cast instead of one each (an 8B
+    drafter's 32,000 × 4,096 fp32 head moves ~0.8 GB a cast); its gradient still goes to `weight`.
     Returns (mean loss with grad, number of counted positions, argmax draft id (B, S))."""
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    return _HeadSoftCE.apply(hidden, weight, target_draft_ids, target_probs, mask, rows, grads)
+    return _HeadSoftCE.apply(hidden, weight, target_draft_ids, target_probs, mask, rows, grads, cast)
+
+
+def head_cast(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in the dtype autocast would run a matmul of `like` in, detached (for `cast`); None when that
+    is its own dtype (nothing to share). Call it once per forward: it is stale after the optimizer's step."""
+    dtype = _compute_dtype(like)
+    return None if dtype == weight.dtype else weight.detach().to(dtype)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -116,7 +125,7 @@ def _compiled_block():
 
 class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, draft_ids, probs, mask, rows, grads):
+    def forward(ctx, hidden, weight, draft_ids, probs, mask, rows, grads, cast):
         b, s, h = hidden.shape
         dtype = _compute_dtype(hidden)
         flat = hidden.reshape(b * s, h)  # (N, H)
@@ -127,10 +136,10 @@ class _HeadSoftCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(b * s, dtype=torch.long, device=hidden.device)
         grad_h = torch.empty_like(flat) if grads else None  # (N, H)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None  # (Vd, H)
+        grad_w = None  # (Vd, H) fp32: the first block's product, the later blocks' added to it
         numbers = _block_fn(hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)  # (Vd, H), cast once for every block
+            w = cast if cast is not None and cast.dtype == dtype else weight.to(dtype)  # (Vd, H), once per call
             for start in range(0, b * s, rows):
                 part = slice(start, start + rows)
                 x = flat[part].to(dtype)  # (c, H)
@@ -138,7 +147,8 @@ class _HeadSoftCE(torch.autograd.Function):
                 loss += block_loss
                 if grads:
                     grad_h[part] = g @ w  # (c, H)
-                    grad_w += (g.t() @ x).float()  # (Vd, H)
+                    block_w = (g.t() @ x).float()  # (Vd, H)
+                    grad_w = block_w if grad_w is None else grad_w.add_(block_w)
         if grads:
             ctx.save_for_backward(grad_h.view(b, s, h), grad_w)
             ctx.weight_dtype = weight.dtype
@@ -148,4 +158,4 @@ class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _count, _argmax):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None
+        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None, None

@@ -21,7 +21,7 @@ from torch import nn
 
 from hstap.drafter.model import Eagle3Drafter
 from hstap.train.attention import TTTAttention
-from hstap.train.loss import head_soft_cross_entropy
+from hstap.train.loss import head_cast, head_soft_cross_entropy
 
 
 @dataclass
@@ -152,6 +152,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     # t+1+k). Shifted-in tail positions are never counted (their token t+2+k lies past the sequence), so their
     # fill only has to be harmless: no id, probability 0.
     teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
+    head = head_cast(drafter.lm_head.weight, hidden)  # one cast of the head for all the steps (None: no autocast)
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
         hidden = drafter.layer_step(tokens, hidden, positions + k, attend)  # (B, S, H)
@@ -162,7 +163,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
         weight = predicted_counts & argmax_inside & batch.valid
         # = soft_cross_entropy(lm_head(norm(hidden)), ...), one block of positions at a time (hstap.train.loss)
         loss, count, predicted = head_soft_cross_entropy(drafter.norm(hidden), drafter.lm_head.weight, draft_ids,
-                                                         probs, weight)  # predicted (B, S) draft ids
+                                                         probs, weight, cast=head)  # predicted (B, S) draft ids
         total = total + (decay ** k) * loss
         with torch.no_grad():
             hit = (predicted == draft_ids[..., 0]) & weight

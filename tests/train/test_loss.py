@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hstap.train.loss import head_soft_cross_entropy
+from hstap.train.loss import head_cast, head_soft_cross_entropy
 from hstap.train.ttt import soft_cross_entropy
 
 
@@ -69,6 +69,21 @@ def test_under_bf16_autocast_matches_the_autocast_reference():
     for g, gr in zip(grads, ref_grads):
         assert g.dtype == gr.dtype == torch.float32
         torch.testing.assert_close(g, gr, atol=1e-3, rtol=3e-2)
+
+
+def test_a_shared_head_cast_gives_the_same_numbers_and_gradient():
+    """The TTT unroll casts the head once for its seven steps (`head_cast`): bit-equal to casting per call, and the
+    weight's fp32 gradient still reaches it; outside autocast there is nothing to share."""
+    hidden, weight, ids, probs, mask = _problem(b=2, s=32, h=64, vd=256, seed=3)
+    assert head_cast(weight, hidden) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = head_cast(weight, hidden)
+        shared = head_soft_cross_entropy(hidden, weight, ids, probs, mask, chunk_bytes=4 * 256 * 20, cast=cast)
+        own = head_soft_cross_entropy(hidden, weight, ids, probs, mask, chunk_bytes=4 * 256 * 20)
+    assert cast.dtype == torch.bfloat16 and not cast.requires_grad
+    assert torch.equal(shared[0], own[0]) and torch.equal(shared[2], own[2])
+    for a, b in zip(torch.autograd.grad(shared[0], (hidden, weight)), torch.autograd.grad(own[0], (hidden, weight))):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def _block_reference(logits, ids, p, scale):
