@@ -40,16 +40,19 @@
 #    (default chain:3 tree:8,8,60; add @eager shapes for the unfused drafting beside).
 # THROUGHPUT=1: first, while the assets arrive, bench/train_throughput.py on the SmolLM2 (32 x 2,048) and 8B
 #    (1 x 2,048 and 8,192) shapes, the drafter step alone, eager and fused side by side.
-# SOURCES="sharegpt:8 magpie:6 code:6" (the default): R1's sources and weights. The first-turn ShareGPT (~15k) and
-#    stdlib pools are finite: by the twelfth run half the ShareGPT prompts had been answered before; only Magpie
-#    gives new prompts at scale (at the cost of R1's sampling time).
+# SOURCES="sharegpt:3 magpie:12 code:5" (the default since 2026-12-03's thirteenth run): R1's sources and weights. The
+#    first-turn ShareGPT (~15k) and stdlib pools are finite: in that run 5,675 of 8,000 ShareGPT and 1,391 of 6,000
+#    code prompts had been answered before, 3 of 6,000 Magpie ones; Magpie gives new prompts at scale, at ~60 kept
+#    prompts a second of R1's time (12,000: ~200 s instead of ~100 s for 6,000).
 # TURNS=first|all (default first): which user turns synth answers; first answers three times the prompts per
 #    second (a conversation's later turns wait for its earlier answers) and MT-bench is judged on first turns.
 # EAGER_AB=1: R4 also decodes chain 3 and the 60-node tree with the drafter's steps unfused (@eager; off by default
 #    since 2026-12-03: the A/B ran on 2026-12-02). SHAPES="...": R4's shapes instead of the default list.
 # TEACHER=1: first, while the assets arrive, issue 15's capture overhead of both teachers on the 8B shape and the
 #    8B drafter step's kernel table. SYNTH_COMPILE=1: R2's synth with --compile-step, and beside R0
-#    bench/synth.py --check (greedy agreement of the eager and compiled bf16 steps with fp32). MICRO=0: R4 skips
+#    bench/synth.py --check (greedy agreement of the eager and compiled bf16 steps with fp32). On 2026-12-03 the
+#    compiled step (then with automatic dynamic shapes, reverted since) cost R2 93 % of its answers: only with a
+#    compile that was measured fast first. MICRO=0: R4 skips
 #    bench/prefill.py and bench/verify_cost.py (~70 s).
 # DATA_BACK=0: the prompts and answers are not shipped back (nothing keeps them; ~17 MB of transfer).
 # KV_AB=1: R4 also decodes vanilla and chain 3 on 40 questions with the target cache written by index_copy
@@ -189,7 +192,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
 provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
   echo "$seed" > "$RUN/results/prompt_seed.txt"
   lane step r1_prompts env CUDA_VISIBLE_DEVICES=0 $HSTAP prompts --out "$P" --total "$PROMPTS" --seed "$seed" \
-    $(for src in ${SOURCES:-sharegpt:8 magpie:6 code:6}; do printf -- '--source %s ' "$src"; done) --device cuda \
+    $(for src in ${SOURCES:-sharegpt:3 magpie:12 code:5}; do printf -- '--source %s ' "$src"; done) --device cuda \
     --batch-size 256
   if [ "$NGPU" -gt 1 ]; then
     b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
