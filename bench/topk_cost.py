@@ -16,28 +16,16 @@ import time
 import torch
 
 from hstap.topk import block_topk
+from verify_cost import graphed  # bench/ is the script's directory, first on sys.path
 
 SHAPES = [("tree root", (1, 16384), torch.float32, 8, True), ("tree depth", (8, 16384), torch.float32, 8, True),
           ("8B teacher", (8192, 128256), torch.bfloat16, 32, False)]
 
 
 def time_call(fn, reps: int, graph: bool) -> float:
-    """Mean µs of fn() over reps, replayed from a CUDA graph when `graph`."""
-    cuda = torch.cuda.is_available() and graph
-    if cuda:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        call = g.replay
-    else:
-        fn()
-        call = fn
+    """Mean µs of fn() over reps, replayed from a CUDA graph when `graph` (verify_cost's `graphed`)."""
+    call = graphed(fn, graph)
+    call()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
