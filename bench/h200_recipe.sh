@@ -83,6 +83,10 @@ TRAIN_BUDGET=${TRAIN_BUDGET:-480s}  # the drafter gains with every step (docs/be
 # chain-3 tau 1.81, 36 M 2.10, 57 M 2.22) and nothing outlives the session: give training what the session spares
 PROMPTS=${PROMPTS:-20000}
 [ -n "${AB_LOOPS:-}" ] && AB_ARGS=${AB_ARGS:---loops cut}
+GPU_TESTS="tests/train/test_attention.py tests/train/test_loss.py tests/drafter/test_fused.py tests/store/test_fp8.py \
+  tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py tests/runtime/test_gpu.py \
+  tests/runtime/test_prefill.py tests/runtime/test_graph_prefill.py tests/runtime/test_attention.py \
+  tests/capture/test_tap.py tests/test_topk.py"
 
 data_out() {  # prompts + answers, xz-compressed, in 15 MB parts: they travel back once (status moves them)
   mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
@@ -174,11 +178,7 @@ phase_r() {  # on 2 GPUs: B3 beside the prompts, synth split over both, DDP, and
   local P="$RUN/prompts.jsonl"
   mkdir -p "$RUN/results" "$RUN/figs"
   # R0: the gpu-marked tests (issue 11) beside the prompts (and, on one GPU, synth and R3); R3's wait collects them
-  step r0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py tests/train/test_loss.py \
-    tests/drafter/test_fused.py \
-    tests/store/test_fp8.py tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py \
-    tests/runtime/test_gpu.py tests/runtime/test_prefill.py tests/runtime/test_graph_prefill.py \
-    tests/runtime/test_attention.py tests/capture/test_tap.py &
+  step r0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS &
   if [ -n "${SYNTH_COMPILE:-}" ]; then  # issue 12: is the compiled decode step's bf16 output as right as the eager
     # kernels'? Greedy tokens of both against an fp32 copy, 64 ShareGPT prompts (beside R0/R1: its timings are not
     # the figure; R2's synth with --compile-step is)
@@ -384,6 +384,68 @@ phase_m() {  # a session without the time for the whole recipe (2026-12-03, elev
   echo "$(date +%T) X DONE" >> "$RUN/progress"
 }
 
+phase_s() {  # a session of measurements and one A/B (2026-12-04, fifteenth session: the prior answers were lost
+  # with the last session's machine, so a continued training would have had one session's data). In order of what
+  # matters should the session be cut short:
+  # S0 (no assets) issue 15: the tap's overhead with both teachers (the compiled candidate step's first run) and
+  #    the 8B trainer at 2,048 and 8,192 positions (one head loss for the seven TTT steps), profiled by input shape;
+  # S1 issue 17: MT-bench of the shipped drafter, alone on the GPU (the block top-k's first end-to-end run), then
+  #    the decoding cycles' device timeline;
+  # S2 issue 12's regeneration A/B: ShareGPT first turns answered greedily, then sampled (T $AB_T) for M_SYNTH_S
+  #    seconds each (the GPU tests beside them), both cut to the prompts both answered, two drafters from zero side
+  #    by side for AFTER_AB_STEPS steps, same seed; S3 synth's batch size (256 vs 512), alone; S4 MT-bench of both
+  #    arms side by side
+  local AB_T=${AB_T:-0.7}
+  mkdir -p "$RUN/results"
+  step s0_capture_overhead $PY bench/capture_overhead.py --device cuda --shape 8b --batch 4 --seq 2048 --reps 10
+  step s0_throughput_8b $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 \
+    --seq 2048 8192 --steps 5 --profile 30 --json
+  bundle
+  wait_assets
+  step s1_spec $PY bench/spec_decode.py --drafter smollm2-recipe --device cuda --dtype bf16 --batch 1 \
+    --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_shipped.jsonl"
+  $PY bench/spec_decode.py --table "$RUN/results/spec_shipped.jsonl" > "$RUN/results/spec_shipped_tables.txt" 2>&1
+  step s1_spec_profile $PY bench/spec_profile.py --drafter smollm2-recipe --prompts 4 --json --top 25 \
+    --shapes chain:3 tree:8,8,60
+  bundle
+  step s2_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS &
+  local S="synth --model smollm2 --data sharegpt --limit 16000 --turns first --device cuda --batch-size 256 \
+    --max-new-tokens 384"
+  step s2_synth_greedy timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --out "$RUN/greedy.jsonl"
+  step s2_synth_sampled timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --temperature "$AB_T" --out "$RUN/sampled.jsonl"
+  $PY - "$RUN/greedy.jsonl" "$RUN/sampled.jsonl" > "$RUN/results/ab_data.json" <<'PYEOF'
+import json, sys
+rows = [{json.loads(line)["id"]: line for line in open(p) if line.strip()} for p in sys.argv[1:]]
+both = rows[0].keys() & rows[1].keys()
+for p, r in zip(sys.argv[1:], rows):
+    open(p.replace(".jsonl", "_both.jsonl"), "w").writelines(r[i] for i in sorted(both))
+print(json.dumps({"greedy": len(rows[0]), "sampled": len(rows[1]), "both": len(both)}))
+PYEOF
+  cat "$RUN/results/ab_data.json" >> "$RUN/progress"
+  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --epochs 30 --calib-prompts 4 --prefetch --lr 2e-3 --max-steps ${AFTER_AB_STEPS:-500}"
+  step s2_train_greedy $HSTAP $T --data "jsonl:$RUN/greedy_both.jsonl" --out "$RUN/ab_greedy" &
+  step s2_train_sampled $HSTAP $T --data "jsonl:$RUN/sampled_both.jsonl" --out "$RUN/ab_sampled"
+  wait
+  for d in ab_greedy ab_sampled; do
+    grep -E '"kind": "(eval|budget|budget_refit)"' "$RUN/$d/metrics.jsonl" > "$RUN/results/$d.eval-metrics.jsonl" 2>/dev/null
+  done
+  bundle
+  step s3_synth_batch $PY bench/synth.py --device cuda --batch 256 --prompts 1024 --new 256 --reps 1 --no-eager \
+    --also-batch 512
+  bundle
+  for d in ab_greedy ab_sampled; do  # side by side: τ does not depend on the other run's load, the speedups do
+    step "s4_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
+      --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
+  done
+  wait
+  for d in ab_greedy ab_sampled; do
+    $PY bench/spec_decode.py --table "$RUN/results/spec_$d.jsonl" > "$RUN/results/spec_${d}_tables.txt" 2>&1
+  done
+  bundle
+  echo "$(date +%T) S DONE" >> "$RUN/progress"
+}
+
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
   while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
   data_out
@@ -477,6 +539,7 @@ case ${1:-status} in
     ls -la "$OUT" 2>/dev/null ;;
   cont) launch phase_c ;;  # call 1 of a session that continues an earlier drafter: .gpu/data comes with parts 2, 3
   measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
+  session) launch phase_s ;;  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &

@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--compile", action="store_true", help="also time the static path with a torch.compile'd step")
+    ap.add_argument("--also-batch", type=int, nargs="*", default=[], metavar="B",
+                    help="also time the static path with the same prompts in batches of B (is synth's batch size "
+                         "what holds its throughput down?)")
+    ap.add_argument("--no-eager", action="store_true", help="leave out hstap's eager loop (a GPU run's slowest arm)")
     ap.add_argument("--check", type=int, default=0, metavar="N",
                     help="then decode the first N prompts with every runtime path and with an fp32 copy of the model: "
                          "how many greedy tokens each bf16 path keeps equal to fp32 (is the compiled step as right "
@@ -93,8 +97,18 @@ def main() -> None:
             decode(stepper, [Request(p, args.new) for p in batch], pad, [], args.device,
                    sync_every=8 if on_cuda else 1)
 
+    def run_batched(runtime: Runtime, size: int) -> None:
+        for i in range(0, len(prompts), size):
+            decode(runtime, [Request(p, args.new) for p in prompts[i:i + size]], pad, [], args.device,
+                   sync_every=8 if on_cuda else 1)
+
     methods = {"generate": run_generate, "hstap eager": lambda: run_hstap(eager),
                "hstap static" + (" + CUDA graphs" if on_cuda else ""): lambda: run_hstap(static)}
+    if args.no_eager:
+        del methods["hstap eager"]
+    for size in args.also_batch:
+        runtime = Runtime(model, batch_size=size, max_len=args.max_prompt + args.new + 256, cuda_graphs=on_cuda)
+        methods[f"hstap static, batch {size}"] = lambda runtime=runtime, size=size: run_batched(runtime, size)
     if args.compile:
         compiled = Runtime(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256,
                            cuda_graphs=on_cuda, compile_step=True)

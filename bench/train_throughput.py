@@ -92,17 +92,22 @@ def time_steps(model, opt, batch: TTTBatch, device: torch.device, steps: int) ->
 
 
 def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) -> None:
-    """One training step under torch.profiler: the `rows` ops with the most device (CUDA) or CPU self time."""
+    """One training step under torch.profiler: the `rows` ops with the most device (CUDA) or CPU self time, then
+    the same ops split by their input shapes (which tensor a copy_ or add_ moves says where it comes from: on
+    2026-12-03 copies and in-place adds were a quarter of the 8B step, unattributed)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         train_step(model, opt, batch, device)
         if cuda:
             torch.cuda.synchronize()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    print("by input shape:")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows, max_name_column_width=40,
+                                                             max_shapes_column_width=90))
 
 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,

@@ -30,12 +30,32 @@ def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_d
                             cast: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (B, S, H) normed states; weight (Vd, H) lm_head; target_draft_ids (B, S, K) draft ids (−1 outside
     the draft vocab); target_probs (B, S, K); mask (B, S) bool positions counted. `cast`: `weight` already in
-    the matmul dtype (`head_cast`), so the TTT unroll's steps share one cast instead of one each (an 8B
-    drafter's 32,000 × 4,096 fp32 head moves ~0.8 GB a cast); its gradient still goes to `weight`.
-    Returns (mean loss with grad, number of counted positions, argmax draft id (B, S))."""
-    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    the matmul dtype (`head_cast`). Returns (mean loss with grad, number of counted positions, argmax draft id
+    (B, S)). One step of `head_soft_cross_entropy_steps`."""
+    total, _, counts, argmax = head_soft_cross_entropy_steps([hidden], weight, [target_draft_ids], [target_probs],
+                                                             [mask], [1.0], chunk_bytes, cast)
+    return total, counts[0], argmax[0]
+
+
+def head_soft_cross_entropy_steps(hiddens: list[torch.Tensor], weight: torch.Tensor, draft_ids: list[torch.Tensor],
+                                  probs: list[torch.Tensor], masks: list[torch.Tensor], step_weights: list[float],
+                                  chunk_bytes: int = CHUNK_BYTES, cast: torch.Tensor | None = None,
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The TTT unroll's head losses in one call: Σ_k step_weights[k] · head_soft_cross_entropy(hiddens[k], ...).
+
+    One call, not one per step, because the head's weight gradient is then one (Vd, H) fp32 sum that every step's
+    blocks add their products into (a matmul with an fp32 output adding into it, on CUDA), where seven calls made
+    seven fp32 gradients, each scaled in its backward and summed by autograd: on the 8B shape ~20 GB of
+    elementwise traffic a training step (0.5 GB per head-sized fp32 pass), and seven of them alive at once.
+    `cast`: `weight` in the matmul dtype (`head_cast`), shared by the steps; its gradient still goes to `weight`.
+    Returns (Σ_k w_k · mean loss_k with grad, per-step mean losses (n,) detached, counts (n,), argmax (n, B, S))."""
+    n = len(hiddens)
+    if not n == len(draft_ids) == len(probs) == len(masks) == len(step_weights):
+        raise ValueError("hiddens, draft_ids, probs, masks and step_weights must have one entry per step")
+    grads = torch.is_grad_enabled() and (weight.requires_grad or any(h.requires_grad for h in hiddens))
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    return _HeadSoftCE.apply(hidden, weight, target_draft_ids, target_probs, mask, rows, grads, cast)
+    return _HeadSoftCESteps.apply(weight, cast, rows, grads, tuple(float(w) for w in step_weights), n,
+                                  *hiddens, *draft_ids, *probs, *masks)
 
 
 def head_cast(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
@@ -123,39 +143,75 @@ def _compiled_block():
     return run
 
 
-class _HeadSoftCE(torch.autograd.Function):
+def _add_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """acc + gᵀ·x in fp32 (acc None: gᵀ·x), g (c, Vd) and x (c, H) in the matmul dtype. On CUDA one matmul whose
+    fp32 output is the sum (`out_dtype`, no bf16 product rounded, cast and added in three more passes); on other
+    devices, or where that overload is missing, the product in the matmul dtype, then cast and added."""
+    if g.dtype != torch.float32 and g.device.type == "cuda" and not _no_out_dtype:
+        try:
+            if acc is None:
+                return torch.mm(g.t(), x, out_dtype=torch.float32)
+            return torch.addmm(acc, g.t(), x, out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as e:  # an older torch: say so once, then the three-pass form
+            _no_out_dtype.append(first_line(e))
+            print(f"hstap: fp32-output matmul unavailable ({_no_out_dtype[0]}); head gradient in three passes",
+                  file=sys.stderr)
+    block = (g.t() @ x).float()  # (Vd, H)
+    return block if acc is None else acc.add_(block)
+
+
+_no_out_dtype: list[str] = []
+
+
+class _HeadSoftCESteps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, draft_ids, probs, mask, rows, grads, cast):
-        b, s, h = hidden.shape
-        dtype = _compute_dtype(hidden)
-        flat = hidden.reshape(b * s, h)  # (N, H)
-        ids = draft_ids.reshape(b * s, -1).clamp_min(0)  # (N, K)
-        p = probs.reshape(b * s, -1).float()  # (N, K)
-        count = mask.sum()
-        scale = mask.reshape(-1).float() / count.clamp_min(1)  # (N,) each counted position's share of the mean
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        argmax = torch.empty(b * s, dtype=torch.long, device=hidden.device)
-        grad_h = torch.empty_like(flat) if grads else None  # (N, H)
-        grad_w = None  # (Vd, H) fp32: the first block's product, the later blocks' added to it
-        numbers = _block_fn(hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
+    def forward(ctx, weight, cast, rows, grads, step_weights, n, *tensors):
+        hiddens, all_ids, all_probs, masks = (tensors[i * n:(i + 1) * n] for i in range(4))
+        b, s, h = hiddens[0].shape
+        dtype = _compute_dtype(hiddens[0])
+        numbers = _block_fn(hiddens[0].device)
+        losses = torch.zeros(n, dtype=torch.float32, device=weight.device)  # per-step means, for the stats
+        counts = torch.stack([m.sum() for m in masks])  # (n,)
+        argmax = torch.empty(n, b * s, dtype=torch.long, device=weight.device)
+        grad_hs = []  # per step (B, S, H), or None where the step has weight 0
+        grad_w = None  # (Vd, H) fp32, every step's blocks added in
+        total = torch.zeros((), dtype=torch.float32, device=weight.device)
+        with torch.autocast(weight.device.type, enabled=False):
             w = cast if cast is not None and cast.dtype == dtype else weight.to(dtype)  # (Vd, H), once per call
-            for start in range(0, b * s, rows):
-                part = slice(start, start + rows)
-                x = flat[part].to(dtype)  # (c, H)
-                block_loss, argmax[part], g = numbers(F.linear(x, w), ids[part], p[part], scale[part], grads)
-                loss += block_loss
-                if grads:
-                    grad_h[part] = g @ w  # (c, H)
-                    block_w = (g.t() @ x).float()  # (Vd, H)
-                    grad_w = block_w if grad_w is None else grad_w.add_(block_w)
+            for k in range(n):
+                flat = hiddens[k].reshape(b * s, h)  # (N, H)
+                ids = all_ids[k].reshape(b * s, -1).clamp_min(0)  # (N, K)
+                p = all_probs[k].reshape(b * s, -1).float()  # (N, K)
+                share = masks[k].reshape(-1).float() / counts[k].clamp_min(1)  # (N,) each position's share of the mean
+                wk = step_weights[k]
+                step_grads = grads and wk != 0.0
+                scale = share * wk if step_grads else share  # the gradient carries the step's weight
+                grad_h = torch.empty_like(flat) if step_grads else None  # (N, H)
+                for start in range(0, b * s, rows):
+                    part = slice(start, start + rows)
+                    x = flat[part].to(dtype)  # (c, H)
+                    block_loss, argmax[k, part], g = numbers(F.linear(x, w), ids[part], p[part], scale[part],
+                                                             step_grads)
+                    losses[k] += block_loss / wk if step_grads else block_loss
+                    if step_grads:
+                        grad_h[part] = g @ w  # (c, H)
+                        grad_w = _add_weight_grad(grad_w, g, x)
+                total += wk * losses[k]
+                grad_hs.append(None if grad_h is None else grad_h.view(b, s, h))
         if grads:
-            ctx.save_for_backward(grad_h.view(b, s, h), grad_w)
+            if grad_w is None:  # every step weighted 0
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            ctx.save_for_backward(grad_w, *[g for g in grad_hs if g is not None])
+            ctx.present = [g is not None for g in grad_hs]
             ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(count, argmax)
-        return loss, count, argmax.view(b, s)
+        ctx.n = n
+        ctx.mark_non_differentiable(losses, counts, argmax)
+        return total, losses, counts, argmax.view(n, b, s)
 
     @staticmethod
-    def backward(ctx, grad_loss, _count, _argmax):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None, None
+    def backward(ctx, grad_total, _losses, _counts, _argmax):
+        grad_w, *saved = ctx.saved_tensors
+        it = iter(saved)
+        grad_hs = [next(it) * grad_total if present else None for present in ctx.present]
+        return ((grad_w * grad_total).to(ctx.weight_dtype), None, None, None, None, None, *grad_hs,
+                *([None] * (3 * ctx.n)))

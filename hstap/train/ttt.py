@@ -21,7 +21,7 @@ from torch import nn
 
 from hstap.drafter.model import Eagle3Drafter
 from hstap.train.attention import TTTAttention
-from hstap.train.loss import head_cast, head_soft_cross_entropy
+from hstap.train.loss import head_cast, head_soft_cross_entropy_steps
 
 
 @dataclass
@@ -146,32 +146,34 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     b, s = batch.input_ids.shape
     positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
     hidden = drafter.project(batch.aux)  # (B, S, H)
-    total = torch.zeros((), device=hidden.device)
-    stats, hits, countable = [], [], []
     # the teacher in draft ids, once per batch; step k reads it shifted by 1 + k (the target's distribution at
     # t+1+k). Shifted-in tail positions are never counted (their token t+2+k lies past the sequence), so their
     # fill only has to be harmless: no id, probability 0.
     teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
-    head = head_cast(drafter.lm_head.weight, hidden)  # one cast of the head for all the steps (None: no autocast)
+    hiddens, draft_ids, probs, weights = [], [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
         hidden = drafter.layer_step(tokens, hidden, positions + k, attend)  # (B, S, H)
-        draft_ids = shift_left(teacher_ids, 1 + k, -1)  # (B, S, K)
-        probs = shift_left(teacher_probs, 1 + k, 0.0)  # (B, S, K)
+        hiddens.append(drafter.norm(hidden))
+        draft_ids.append(shift_left(teacher_ids, 1 + k, -1))  # (B, S, K)
+        probs.append(shift_left(teacher_probs, 1 + k, 0.0))  # (B, S, K)
         argmax_inside = shift_left(teacher_inside, 1 + k, False)  # (B, S)
         predicted_counts = shift_left(counted & batch.valid, 2 + k, False)  # token t+2+k
-        weight = predicted_counts & argmax_inside & batch.valid
-        # = soft_cross_entropy(lm_head(norm(hidden)), ...), one block of positions at a time (hstap.train.loss)
-        loss, count, predicted = head_soft_cross_entropy(drafter.norm(hidden), drafter.lm_head.weight, draft_ids,
-                                                         probs, weight, cast=head)  # predicted (B, S) draft ids
-        total = total + (decay ** k) * loss
-        with torch.no_grad():
-            hit = (predicted == draft_ids[..., 0]) & weight
-            stats.append(torch.stack([loss.detach().double(), hit.sum().double(), count.double()]))  # (3,)
-        hits.append(hit)
-        countable.append(weight)
+        weights.append(predicted_counts & argmax_inside & batch.valid)
+    # = Σ_k decay**k · soft_cross_entropy(lm_head(norm(hidden_k)), ...), every step's head in one call, a block of
+    # positions at a time, with one cast of the head and one fp32 weight gradient for all steps (hstap.train.loss)
+    total, losses, counts, predicted = head_soft_cross_entropy_steps(
+        hiddens, drafter.lm_head.weight, draft_ids, probs, weights, [decay ** k for k in range(steps)],
+        cast=head_cast(drafter.lm_head.weight, hidden))  # predicted (steps, B, S) draft ids
+    hits, countable = [], []
+    with torch.no_grad():
+        for k in range(steps):
+            hits.append((predicted[k] == draft_ids[k][..., 0]) & weights[k])
+            countable.append(weights[k])
+        hit_counts = torch.stack([hit.sum() for hit in hits]).double()
+        stats = torch.stack([losses.double(), hit_counts, counts.double()])  # (3, steps)
     run_len, run_ok = _chain_runs(hits, countable)
-    return TTTOutput(total, torch.stack(stats, dim=1), run_len, run_ok)  # stats (3, steps)
+    return TTTOutput(total, stats, run_len, run_ok)
 
 
 def _chain_runs(hits: list[torch.Tensor], countable: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

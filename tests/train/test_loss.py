@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hstap.train.loss import head_cast, head_soft_cross_entropy
+from hstap.train.loss import head_cast, head_soft_cross_entropy, head_soft_cross_entropy_steps
 from hstap.train.ttt import soft_cross_entropy
 
 
@@ -84,6 +84,55 @@ def test_a_shared_head_cast_gives_the_same_numbers_and_gradient():
     assert torch.equal(shared[0], own[0]) and torch.equal(shared[2], own[2])
     for a, b in zip(torch.autograd.grad(shared[0], (hidden, weight)), torch.autograd.grad(own[0], (hidden, weight))):
         assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_all_steps_in_one_call_equal_the_weighted_sum_of_one_call_per_step():
+    """The TTT unroll's heads in one call: total = Σ w_k · loss_k, the per-step losses, counts and argmaxes, and
+    every gradient equal to one call per step (a step of weight 0 counts in the stats, not in the gradient), with
+    one head-sized gradient kept for the backward instead of one per step."""
+    steps = [_problem(b=2, s=9, h=16, vd=40, seed=10 + k) for k in range(3)]
+    weight = steps[0][1]
+    hiddens = [st[0] for st in steps]
+    step_weights = [1.0, 0.8, 0.0]
+    args = ([st[2] for st in steps], [st[3] for st in steps], [st[4] for st in steps])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        total, losses, counts, argmax = head_soft_cross_entropy_steps(hiddens, weight, *args, step_weights,
+                                                                      chunk_bytes=4 * 40 * 7)
+    assert sum(shape == weight.shape for shape in saved) == 1
+    singles = [head_soft_cross_entropy(h, weight, ids, probs, mask, chunk_bytes=4 * 40 * 7)
+               for h, ids, probs, mask in zip(hiddens, *args)]
+    want_total = sum(w * one[0] for w, one in zip(step_weights, singles))
+    torch.testing.assert_close(total, want_total, atol=1e-6, rtol=1e-6)
+    for k, (loss, count, arg) in enumerate(singles):
+        torch.testing.assert_close(losses[k], loss.detach(), atol=1e-6, rtol=1e-6)
+        assert counts[k] == count and torch.equal(argmax[k], arg)
+    got = torch.autograd.grad(2.0 * total, (weight, *hiddens), allow_unused=True)
+    want = torch.autograd.grad(2.0 * want_total, (weight, *hiddens))
+    assert got[-1] is None  # the step of weight 0 sends no gradient
+    for g, gw in zip(got[:-1], want[:-1]):
+        torch.testing.assert_close(g, gw, atol=1e-6, rtol=1e-5)
+    assert want[-1].abs().max() == 0
+    with pytest.raises(ValueError, match="one entry per step"):
+        head_soft_cross_entropy_steps(hiddens, weight, *args, [1.0])
+
+
+@pytest.mark.gpu
+def test_weight_gradient_sum_on_cuda_in_fp32_matches_fp64():
+    """On CUDA the head's weight gradient is summed by fp32-output matmuls over bf16 blocks: as close to the
+    fp64 sum as fp32 accumulation of bf16 products allows (no bf16 rounding of each product)."""
+    from hstap.train.loss import _add_weight_grad, _no_out_dtype
+
+    gen = torch.Generator().manual_seed(5)
+    gs = [torch.randn(300, 512, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    xs = [torch.randn(300, 256, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    acc = None
+    for g, x in zip(gs, xs):
+        acc = _add_weight_grad(acc, g.cuda(), x.cuda())
+    assert not _no_out_dtype, _no_out_dtype
+    want = sum(g.double().t() @ x.double() for g, x in zip(gs, xs))
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double().cpu(), want, atol=1e-3, rtol=1e-5)
 
 
 def _block_reference(logits, ids, p, scale):
