@@ -446,6 +446,24 @@ PYEOF
   echo "$(date +%T) S DONE" >> "$RUN/progress"
 }
 
+phase_v() {  # a short second machine of the same session (2026-12-04): what changed after phase_s, measured alone:
+  # the 8B trainer (norms in the autocast dtype), the big tree and vanilla on MT-bench (the tree's top-k unsorted),
+  # then the gpu tests of what changed (the tree's fp32 identity with vanilla on CUDA among them)
+  mkdir -p "$RUN/results"
+  step v0_throughput_8b $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 \
+    --seq 2048 8192 --steps 5 --profile 30 --json
+  bundle
+  wait_assets
+  step v1_spec $PY bench/spec_decode.py --drafter smollm2-recipe --device cuda --dtype bf16 --batch 1 \
+    --shapes tree:8,8,60 --log "$RUN/results/spec_v.jsonl"
+  $PY bench/spec_decode.py --table "$RUN/results/spec_v.jsonl" > "$RUN/results/spec_v_tables.txt" 2>&1
+  bundle
+  step v2_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_topk.py tests/drafter/test_fused.py \
+    tests/train/test_attention.py tests/train/test_loss.py tests/runtime/test_gpu.py
+  bundle
+  echo "$(date +%T) V DONE" >> "$RUN/progress"
+}
+
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
   while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
   data_out
@@ -539,7 +557,8 @@ case ${1:-status} in
     ls -la "$OUT" 2>/dev/null ;;
   cont) launch phase_c ;;  # call 1 of a session that continues an earlier drafter: .gpu/data comes with parts 2, 3
   measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
-  session) launch phase_s ;;  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
+  session) launch phase_s ;;
+  verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &

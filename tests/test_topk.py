@@ -46,3 +46,15 @@ def test_narrow_rows_take_plain_topk():
     x = torch.randn(3, 100)
     values, ids = block_topk(x, 8, 128)  # 2·8·128 > 100 columns
     assert torch.equal(values, x.topk(8).values) and torch.equal(ids, x.topk(8).indices)
+
+
+def test_unsorted_gives_the_same_set_of_values_and_ids():
+    """`sorted=False` (the tree's expansion, which ranks candidates itself): the same k values and ids as the sorted
+    call, in some order, on both the blocked and the plain path."""
+    gen = torch.Generator().manual_seed(2)
+    for x, k, block in [(torch.randn(2, 8, 2048, generator=gen), 8, 128), (torch.randn(3, 100, generator=gen), 8, 128)]:
+        values, ids = block_topk(x, k, block, sorted=False)
+        ref_values, ref_ids = block_topk(x, k, block)
+        assert torch.equal(x.gather(-1, ids), values)
+        assert torch.equal(values.sort(-1, descending=True).values, ref_values)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)

@@ -7,7 +7,7 @@ took most of the device time (docs/benchmarks.md, the fifth GPU run's profile). 
 through `torch.compile` (dynamic shapes: one kernel for every batch shape, forward and backward); on a CPU, or
 once compiling has failed, the same Python function runs eagerly, so the CPU tests check the math the GPU runs.
 
-    y = fused.rms_norm(x, weight, eps)      # weight · rms_norm(x in fp32) in x's dtype, Llama's rounding
+    y = fused.rms_norm(x, weight, eps)      # weight · rms_norm(x in fp32), Llama's rounding, in x's dtype
     q = fused.rope(q, cos, sin)             # x·cos + rotate_half(x)·sin
     a = fused.silu_mul(gate, up)            # silu(gate) · up
 
@@ -28,7 +28,12 @@ from hstap.errors import first_line
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    """Llama's: weight · normed in the promoted dtype (an fp32 weight and bf16 x give fp32), except under autocast,
+    where the product is rounded to x's dtype: training keeps fp32 master weights under bf16 autocast, and an fp32
+    output would be cast back by every matmul reading it (three casts a TTT step for q, k and v alone: on the 8B
+    shape 42 copies of a (2,048, 8,192) tensor a step, 2026-12-04). Those matmuls get the same bf16 numbers."""
+    out = weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    return out.to(x.dtype) if torch.is_autocast_enabled(x.device.type) else out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Llama's RMSNorm: normalised in fp32, rounded to the input dtype, then scaled by the weight (one fused
-        kernel on CUDA, `hstap.drafter.fused`)."""
+        """Llama's RMSNorm: normalised in fp32, rounded to the input dtype, then scaled by the weight (under
+        autocast returned in the input dtype; one fused kernel on CUDA, `hstap.drafter.fused`)."""
         return fused.rms_norm(x, self.weight, self.eps)
 
 

@@ -124,7 +124,9 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
     b, device = block.tokens.shape[0], block.tokens.device
     rounds = (depth - 1) * topk  # step entries of the round
     logp = torch.log_softmax(drafts.logits.float() / (1 if scale is None else scale), -1)  # (B, Vd)
-    top_values, top_ids = block_topk(logp, topk)  # (B, k): a full-row topk cost 81 µs a call on an H200
+    # (B, k), in any order (the tree ranks candidates by score itself; unsorted skips top-k's closing sort): a
+    # full-row topk cost 81 µs a call on an H200
+    top_values, top_ids = block_topk(logp, topk, sorted=False)
     ids, scores = [top_ids], [top_values]
     parents = [torch.full((b, topk), -1, dtype=torch.long, device=device)]
     depths = [torch.ones(b, topk, dtype=torch.long, device=device)]
@@ -141,14 +143,14 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
         out_hidden, logits = _step(lean, drafts, slot, lean.target_ids[drafted], hidden, d, first,
                                    seen[:, first: first + topk])
         logp = torch.log_softmax(logits.float() / (1 if scale is None else scale[:, :, None]), -1)  # (B, k, Vd)
-        top_values, top_ids = block_topk(logp, topk)  # (B, k, k)
+        top_values, top_ids = block_topk(logp, topk, sorted=False)  # (B, k, k)
         cand = (score[:, :, None] + top_values).flatten(1)  # (B, k²)
         base = topk + (d - 1) * topk * topk
         ids.append(top_ids.flatten(1))
         scores.append(cand)
         parents.append(frontier[:, :, None].expand(-1, -1, topk).reshape(b, topk * topk))  # each parent k times
         depths.append(torch.full((b, topk * topk), d + 1, dtype=torch.long, device=device))
-        best = cand.topk(topk, dim=-1).indices  # (B, k)
+        best = cand.topk(topk, dim=-1, sorted=False).indices  # (B, k)
         frontier = base + best
         drafted, score = top_ids.flatten(1).gather(1, best), cand.gather(1, best)
         hidden = out_hidden.gather(1, (best // topk)[:, :, None].expand(-1, -1, out_hidden.shape[-1]))

@@ -114,7 +114,8 @@ def test_tree_node_scores_are_their_paths_drafted_alone():
                 logits = out[0, 0]
         assert abs(score - float(block.scores[0, i])) < 1e-4, f"node {i}: path {path}"
     best = lean.target_ids[drafts.logits[0].topk(3).indices].tolist()
-    assert tokens[0] == best[0]  # the root's argmax is always kept
+    # the root's argmax is always kept (at depth 1; the root's top-k comes unsorted, so not always first)
+    assert best[0] in [t for t, d in zip(tokens, depths) if d == 1]
 
 
 @torch.no_grad()

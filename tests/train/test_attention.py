@@ -217,3 +217,42 @@ def test_backward_keeps_no_sequence_by_sequence_or_sequence_by_vocab_tensor(monk
     old = saved_shapes(lambda: reference_ttt_forward(drafter, batch, t2d_ids, 3, 0.8))
     assert not [shape for shape in new if grows(shape)]
     assert (b, 4, s, s) in old and (b, s, 24) in old
+
+
+def test_norms_in_the_autocast_dtype_give_the_same_step_as_fp32_norm_outputs(monkeypatch):
+    """Under bf16 autocast with fp32 master weights the norms return bf16 (`fused._rms_norm`), where weight · bf16
+    used to promote to fp32 for every matmul to cast back: the same loss bit for bit (each matmul sees the same
+    bf16 numbers), and fp32 parameter gradients within bf16 rounding of the old ones (where a norm's output feeds
+    several matmuls — q, k, v; gate, up — their input gradients now meet in bf16, as in any bf16 model, not fp32)."""
+    from hstap.drafter import fused
+
+    torch.manual_seed(1)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 4],
+                        target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
+    drafter = Eagle3Drafter(cfg)
+    d2t, t2d = build_draft_vocab(torch.arange(50, 0, -1) % 7, 20)
+    drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
+    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    b, s = 2, 17
+    batch = TTTBatch(aux=torch.randn(b, s, 96).to(torch.bfloat16), input_ids=torch.randint(0, 50, (b, s)),
+                     loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
+                     topk_ids=torch.randint(0, 50, (b, s, 6)), topk_logprobs=torch.log_softmax(torch.randn(b, s, 6), -1))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(drafter, batch, t2d_ids, steps=3, decay=0.8)
+        return out.loss, torch.autograd.grad(out.loss, params)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(3, 32).to(torch.bfloat16)
+        assert drafter.norm(x).dtype == torch.bfloat16 and drafter.norm.weight.dtype == torch.float32
+    loss, grads = step()
+    monkeypatch.setitem(fused._EAGER, "rms_norm",
+                        lambda x, w, eps: w * torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype))
+    old_loss, old_grads = step()
+    assert torch.equal(loss, old_loss)
+    for g, old in zip(grads, old_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, old, rtol=2 ** -7, atol=1e-2 * float(old.abs().max()))
