@@ -27,13 +27,14 @@ import torch.nn.functional as F
 from hstap.errors import first_line
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's: weight · normed in the promoted dtype (an fp32 weight and bf16 x give fp32), except under autocast,
-    where the product is rounded to x's dtype: training keeps fp32 master weights under bf16 autocast, and an fp32
-    output would be cast back by every matmul reading it (three casts a TTT step for q, k and v alone: on the 8B
-    shape 42 copies of a (2,048, 8,192) tensor a step, 2026-12-04). Those matmuls get the same bf16 numbers."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast: bool = False) -> torch.Tensor:
+    """Llama's: weight · normed in the promoted dtype (an fp32 weight and bf16 x give fp32); `cast` (the caller is
+    under autocast) rounds the product to x's dtype: training keeps fp32 master weights under bf16 autocast, and
+    an fp32 output would be cast back by every matmul reading it (three casts a TTT step for q, k and v alone: on
+    the 8B shape 42 copies of a (2,048, 8,192) tensor a step, 2026-12-04). Those matmuls get the same bf16
+    numbers. A flag, not an autocast query in here: the compiled form stays free of global-state reads."""
     out = weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-    return out.to(x.dtype) if torch.is_autocast_enabled(x.device.type) else out
+    return out.to(x.dtype) if cast else out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _sample_inputs(device: torch.device) -> dict[str, tuple]:
     def rand(*shape):
         return torch.randn(*shape, generator=gen, device=device).requires_grad_()
 
-    return {"rms_norm": (rand(3, 5, 64), rand(64), 1e-5),
+    return {"rms_norm": (rand(3, 5, 64), rand(64), 1e-5, False),
             "rope": (rand(2, 3, 5, 16), rand(2, 5, 16), rand(2, 5, 16)),
             "silu_mul": (rand(3, 5, 96), rand(3, 5, 96))}
 
@@ -130,8 +131,9 @@ def _dispatch(name: str, *args):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: x normalised in fp32, rounded to x's dtype, times the weight (in the weight's dtype)."""
-    return _dispatch("rms_norm", x, weight, eps)
+    """Llama's RMSNorm: x normalised in fp32, rounded to x's dtype, times the weight (in the promoted dtype;
+    under autocast in x's dtype, `_rms_norm`)."""
+    return _dispatch("rms_norm", x, weight, eps, torch.is_autocast_enabled(x.device.type))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

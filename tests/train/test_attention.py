@@ -250,7 +250,8 @@ def test_norms_in_the_autocast_dtype_give_the_same_step_as_fp32_norm_outputs(mon
         assert drafter.norm(x).dtype == torch.bfloat16 and drafter.norm.weight.dtype == torch.float32
     loss, grads = step()
     monkeypatch.setitem(fused._EAGER, "rms_norm",
-                        lambda x, w, eps: w * torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype))
+                        lambda x, w, eps, cast: w * torch.nn.functional.rms_norm(x.float(), x.shape[-1:],
+                                                                                 eps=eps).to(x.dtype))
     old_loss, old_grads = step()
     assert torch.equal(loss, old_loss)
     for g, old in zip(grads, old_grads):
