@@ -69,8 +69,12 @@
 #    refused on 2026-12-03). The answers come back from every session in $OUT's data.tar.xz parts; merge them
 #    into the prior ones here for the next session (bench/merge_answers.py merge, then one xz part: the eleventh
 #    and twelfth runs' 33,432 answers are 7.6 MB).
+# SYNTH_BATCH=512: R2's synth rows per batch (default 256). bench/synth.py on 2026-12-04: the default path at 65k
+#    generated tok/s at 256, 85k at 512 (1,024 ShareGPT prompts x 256 tokens); not yet tried in a recipe run, where
+#    synth keeps twice the batch in flight and its KV slots within 40 % of the device's memory.
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
-#    6 of 57 sampled ones: docs/benchmarks.md).
+#    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
+#    a chain and 0.077 in the tree than on greedy ones: docs/benchmarks.md, the fourteenth run).
 #
 # THE POLLS GO BACK TO BACK. The device gives the machine back 30 s after a call returns, and everything on it is
 # lost: on 2026-12-03 (eleventh session) a few minutes spent editing a test between two polls lost a training at
@@ -114,7 +118,7 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   # CUDA default, it failed after 272 s and this resumed it)
   local g=$1 t0=$SECONDS rc
   local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns ${TURNS:-first} --out $RUN/synth$g.jsonl \
-    --device cuda --batch-size 256 --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
+    --device cuda --batch-size ${SYNTH_BATCH:-256} --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
   # SYNTH_COMPILE=1: the decode step through torch.compile (issue 12's 60k tok/s); a failure resumes without it
   step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     timeout -s INT "$SYNTH_S" $S ${SYNTH_COMPILE:+--compile-step}

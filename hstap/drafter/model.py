@@ -172,11 +172,13 @@ class Eagle3Drafter(nn.Module):
         hidden = self.layer_step(input_ids, hidden, positions, attend)
         return hidden, self.lm_head(self.norm(hidden))
 
-    def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                   attend: AttendFn) -> torch.Tensor:
-        """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss."""
+    def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None,
+                   attend: AttendFn, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss.
+        `rope`: the rotary (cos, sin) of `positions` (each (B or 1, S, hd)), when the caller has them already (the
+        TTT unroll slices one table for all its steps); then `positions` is not read."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        cos, sin = rope if rope is not None else self.rotary(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, attend)
 
     # ---- persistence ---------------------------------------------------------------------------------------

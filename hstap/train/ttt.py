@@ -72,6 +72,18 @@ def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
     return TTTBatch(aux, ids, mask, valid, topk_ids, topk_lp)
 
 
+class _Shifts:
+    """shift_left(x, n, fill) for every n < `most` from one padded copy of x: `self(x, fill)(n)` is a view."""
+
+    def __init__(self, most: int):
+        self.most = most
+
+    def __call__(self, x: torch.Tensor, fill):
+        padded = torch.cat([x, torch.full_like(x[:, :1], fill).expand(-1, self.most, *x.shape[2:])], dim=1)
+        s = x.shape[1]
+        return lambda n: padded[:, n: n + s]
+
+
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     """x[:, t] ← x[:, t+n], the tail filled with `fill`: (B, S, ...) → (B, S, ...)."""
     if n == 0:
@@ -144,22 +156,27 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     cfg = drafter.config
     attend = TTTAttention(cfg.num_attention_heads, cfg.num_key_value_heads, attention)
     b, s = batch.input_ids.shape
-    positions = torch.arange(s, device=batch.input_ids.device).expand(b, s)
     hidden = drafter.project(batch.aux)  # (B, S, H)
     # the teacher in draft ids, once per batch; step k reads it shifted by 1 + k (the target's distribution at
     # t+1+k). Shifted-in tail positions are never counted (their token t+2+k lies past the sequence), so their
     # fill only has to be harmless: no id, probability 0.
     teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
+    # every step's shifted inputs are windows of one padded copy (`_Shifts`), and its rotary tables a window of
+    # one table over positions 0..S+steps: a view per step instead of a fill and a concatenation per tensor per
+    # step (an 8B step at 2,048 positions is host-bound on an H200, 2026-12-04)
+    shift = _Shifts(steps + 2)
+    tokens_at = shift(batch.input_ids, 0)  # token t+1+k: tokens_at(1 + k)
+    ids_at, probs_at = shift(teacher_ids, -1), shift(teacher_probs, 0.0)
+    inside_at, counts_at = shift(teacher_inside, False), shift(counted & batch.valid, False)
+    cos, sin = drafter.rotary(torch.arange(s + steps, device=hidden.device)[None], hidden.dtype)  # (1, S+steps, hd)
     hiddens, draft_ids, probs, weights = [], [], [], []
     for k in range(steps):
-        tokens = shift_left(batch.input_ids, 1 + k, 0)  # token t+1+k
-        hidden = drafter.layer_step(tokens, hidden, positions + k, attend)  # (B, S, H)
+        rope = (cos[:, k: k + s], sin[:, k: k + s])  # positions t + k
+        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope)  # (B, S, H)
         hiddens.append(drafter.norm(hidden))
-        draft_ids.append(shift_left(teacher_ids, 1 + k, -1))  # (B, S, K)
-        probs.append(shift_left(teacher_probs, 1 + k, 0.0))  # (B, S, K)
-        argmax_inside = shift_left(teacher_inside, 1 + k, False)  # (B, S)
-        predicted_counts = shift_left(counted & batch.valid, 2 + k, False)  # token t+2+k
-        weights.append(predicted_counts & argmax_inside & batch.valid)
+        draft_ids.append(ids_at(1 + k))  # (B, S, K)
+        probs.append(probs_at(1 + k))  # (B, S, K)
+        weights.append(counts_at(2 + k) & inside_at(1 + k) & batch.valid)  # token t+2+k counted, argmax inside
     # = Σ_k decay**k · soft_cross_entropy(lm_head(norm(hidden_k)), ...), every step's head in one call, a block of
     # positions at a time, with one cast of the head and one fp32 weight gradient for all steps (hstap.train.loss)
     total, losses, counts, predicted = head_soft_cross_entropy_steps(

@@ -76,3 +76,35 @@ def test_loss_on_all_counts_prompt_positions_too(small_store, target):
     assert torch.equal(same[0], same[1])
     with pytest.raises(ValueError, match="loss_on='prompts'"):
         ttt_forward(drafter, batch, t2d_ids, steps, 0.8, "math", "prompts")
+
+
+def test_shift_windows_equal_shift_left_for_every_step():
+    """The unroll reads each step's shifted inputs as windows of one padded copy (`_Shifts`): the same tensors
+    shift_left builds, for ids, probabilities and masks, up to the largest shift it is made for."""
+    from hstap.train.ttt import _Shifts
+
+    gen = torch.Generator().manual_seed(0)
+    for x, fill in [(torch.randint(0, 9, (3, 11), generator=gen), -1), (torch.rand(2, 11, 4, generator=gen), 0.0),
+                    (torch.rand(2, 11, generator=gen) < 0.5, False)]:
+        window = _Shifts(9)(x, fill)
+        for n in range(10):
+            assert torch.equal(window(n), shift_left(x, n, fill)), (x.dtype, n)
+
+
+def test_layer_step_takes_a_precomputed_rotary_window():
+    """`layer_step(..., rope=)` with a slice of one table over all positions equals the step computing its own
+    rotary tables from the positions (the TTT unroll passes the slice)."""
+    from hstap.drafter import DrafterConfig, Eagle3Drafter
+    from hstap.train.attention import TTTAttention
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 4], target_model_id="t",
+                        target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
+    drafter = Eagle3Drafter(cfg)
+    ids, hidden = torch.randint(0, 50, (2, 9)), torch.randn(2, 9, 32)
+    k = 3
+    cos, sin = drafter.rotary(torch.arange(9 + 5)[None], hidden.dtype)
+    got = drafter.layer_step(ids, hidden, None, TTTAttention(4, 2), rope=(cos[:, k: k + 9], sin[:, k: k + 9]))
+    want = drafter.layer_step(ids, hidden, torch.arange(9).expand(2, 9) + k, TTTAttention(4, 2))
+    assert torch.equal(got, want)
