@@ -334,6 +334,19 @@ open(sys.argv[2], 'w').writelines(lines)" "$todo" "$RUN/shuffled.jsonl"
   [ -n "${AFTER_AB:-}" ] && phase_ab
 }
 
+spec_pair() {  # spec_pair STEP A B: MT-bench prompt lookup, chain 3 and the big tree for drafters $RUN/A and $RUN/B,
+  # side by side (τ does not depend on the other run's load, the speedups do), with their tables
+  local step=$1 d; shift
+  for d in "$@"; do
+    step "${step}_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
+      --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
+  done
+  wait
+  for d in "$@"; do
+    $PY bench/spec_decode.py --table "$RUN/results/spec_$d.jsonl" > "$RUN/results/spec_${d}_tables.txt" 2>&1
+  done
+}
+
 phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two drafters from zero side by side on
   # GPU 0, the second with FLAGS added: same data, seed and AFTER_AB_STEPS steps (default 300, ~10 M tokens an
   # arm), then MT-bench prompt lookup, chain 3 and the big tree beside each. Issue 15's fp8-vs-bf16 A/B is
@@ -351,14 +364,7 @@ phase_ab() {  # AFTER_AB="FLAGS": once R4 is done, on the same answers, two draf
     cp "$RUN/$d/train_config.json" "$RUN/results/$d.train_config.json" 2>/dev/null
   done
   bundle
-  for d in ab_base ab_test; do  # side by side: τ does not depend on the other run's load, the speedups do
-    step "r6_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
-      --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
-  done
-  wait
-  for d in ab_base ab_test; do
-    $PY bench/spec_decode.py --table "$RUN/results/spec_$d.jsonl" > "$RUN/results/spec_${d}_tables.txt" 2>&1
-  done
+  spec_pair r6 ab_base ab_test
   bundle
   echo "$(date +%T) AB DONE" >> "$RUN/progress"
 }
@@ -438,14 +444,7 @@ PYEOF
   step s3_synth_batch $PY bench/synth.py --device cuda --batch 256 --prompts 1024 --new 256 --reps 1 --no-eager \
     --also-batch 512
   bundle
-  for d in ab_greedy ab_sampled; do  # side by side: τ does not depend on the other run's load, the speedups do
-    step "s4_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
-      --shapes ngram:3 chain:3 tree:8,8,60 --log "$RUN/results/spec_$d.jsonl" &
-  done
-  wait
-  for d in ab_greedy ab_sampled; do
-    $PY bench/spec_decode.py --table "$RUN/results/spec_$d.jsonl" > "$RUN/results/spec_${d}_tables.txt" 2>&1
-  done
+  spec_pair s4 ab_greedy ab_sampled
   bundle
   echo "$(date +%T) S DONE" >> "$RUN/progress"
 }

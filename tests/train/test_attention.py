@@ -156,15 +156,20 @@ def reference_ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torc
     return total, torch.stack(stats, dim=1)
 
 
-def test_ttt_unroll_equals_the_old_unroll_forward_and_gradients():
-    torch.manual_seed(0)
+def _tiny_drafter() -> tuple[Eagle3Drafter, torch.Tensor]:
+    """A 32-wide drafter over a 50-token vocabulary (20 draft tokens), and its target-to-draft id map."""
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 4],
                         target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
     drafter = Eagle3Drafter(cfg)
     d2t, t2d = build_draft_vocab(torch.arange(50, 0, -1) % 7, 20)
     drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
-    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    return drafter, target_to_draft_ids(drafter.d2t, 50)
+
+
+def test_ttt_unroll_equals_the_old_unroll_forward_and_gradients():
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
     b, s = 3, 21
     valid = torch.arange(s)[None] < torch.tensor([[21], [15], [9]])  # right padding
     batch = TTTBatch(aux=torch.randn(b, s, 96), input_ids=torch.randint(0, 50, (b, s)) * valid,
@@ -227,13 +232,7 @@ def test_norms_in_the_autocast_dtype_give_the_same_step_as_fp32_norm_outputs(mon
     from hstap.drafter import fused
 
     torch.manual_seed(1)
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 4],
-                        target_model_id="tiny", target_fingerprint="f", target_num_layers=8, target_hidden_size=32)
-    drafter = Eagle3Drafter(cfg)
-    d2t, t2d = build_draft_vocab(torch.arange(50, 0, -1) % 7, 20)
-    drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
-    t2d_ids = target_to_draft_ids(drafter.d2t, 50)
+    drafter, t2d_ids = _tiny_drafter()
     b, s = 2, 17
     batch = TTTBatch(aux=torch.randn(b, s, 96).to(torch.bfloat16), input_ids=torch.randint(0, 50, (b, s)),
                      loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
