@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import nn
 
 import hstap.drafter.fused as fused
@@ -70,11 +71,17 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """`qkv`: q, k and v's weights stacked (`Eagle3Drafter.stacked_weights`): one matmul instead of three."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.nh, self.hd).transpose(1, 2)  # (B, nh, S, hd)
-        k = self.k_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
-        v = self.v_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        if qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, qkv).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.reshape(b, s, self.nh, self.hd).transpose(1, 2)  # (B, nh, S, hd)
+        k = k.reshape(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        v = v.reshape(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v)  # (B, nh, S, hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nh * self.hd))
@@ -87,8 +94,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up`: gate and up's weights stacked (`Eagle3Drafter.stacked_weights`): one matmul instead of two."""
+        if gate_up is None:
+            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return self.down_proj(fused.silu_mul(gate, up))
 
 
 class MidLayer(nn.Module):
@@ -101,10 +112,11 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: AttendFn) -> torch.Tensor:
+                attend: AttendFn, stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        qkv, gate_up = stacked if stacked is not None else (None, None)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
-        hidden = hidden + self.self_attn(x, cos, sin, attend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(x, cos, sin, attend, qkv)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), gate_up)
 
 
 class Eagle3Drafter(nn.Module):
@@ -173,13 +185,24 @@ class Eagle3Drafter(nn.Module):
         return hidden, self.lm_head(self.norm(hidden))
 
     def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None,
-                   attend: AttendFn, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   attend: AttendFn, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss.
         `rope`: the rotary (cos, sin) of `positions` (each (B or 1, S, hd)), when the caller has them already (the
-        TTT unroll slices one table for all its steps); then `positions` is not read."""
+        TTT unroll slices one table for all its steps); then `positions` is not read. `stacked`:
+        `stacked_weights`, made once for all of an unroll's steps."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = rope if rope is not None else self.rotary(positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, attend)
+        return self.midlayer(embeds, hidden, cos, sin, attend, stacked)
+
+    def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k, v's weights stacked (((nh + 2·nkv)·hd, 2H)) and gate, up's ((2·I, H)), in `dtype`, with their
+        gradients flowing back to the parameters: the TTT unroll makes them once and runs each step's projections
+        as two matmuls instead of five (fewer, larger GEMMs and a fifth of the launches; under autocast one cast
+        of the stack a step instead of one per weight per use)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
+        return qkv, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype)
 
     # ---- persistence ---------------------------------------------------------------------------------------
 

@@ -61,11 +61,11 @@ def head_soft_cross_entropy_steps(hiddens: list[torch.Tensor], weight: torch.Ten
 def head_cast(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     """`weight` in the dtype autocast would run a matmul of `like` in, detached (for `cast`); None when that
     is its own dtype (nothing to share). Call it once per forward: it is stale after the optimizer's step."""
-    dtype = _compute_dtype(like)
+    dtype = compute_dtype(like)
     return None if dtype == weight.dtype else weight.detach().to(dtype)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """What autocast would run a matmul of `t` in (its own dtype outside autocast)."""
     device = t.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
@@ -168,7 +168,7 @@ class _HeadSoftCESteps(torch.autograd.Function):
     def forward(ctx, weight, cast, rows, grads, step_weights, n, *tensors):
         hiddens, all_ids, all_probs, masks = (tensors[i * n:(i + 1) * n] for i in range(4))
         b, s, h = hiddens[0].shape
-        dtype = _compute_dtype(hiddens[0])
+        dtype = compute_dtype(hiddens[0])
         numbers = _block_fn(hiddens[0].device)
         losses = torch.zeros(n, dtype=torch.float32, device=weight.device)  # per-step means, for the stats
         counts = torch.stack([m.sum() for m in masks])  # (n,)

@@ -21,7 +21,7 @@ from torch import nn
 
 from hstap.drafter.model import Eagle3Drafter
 from hstap.train.attention import TTTAttention
-from hstap.train.loss import head_cast, head_soft_cross_entropy_steps
+from hstap.train.loss import compute_dtype, head_cast, head_soft_cross_entropy_steps
 
 
 @dataclass
@@ -169,10 +169,11 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     ids_at, probs_at = shift(teacher_ids, -1), shift(teacher_probs, 0.0)
     inside_at, counts_at = shift(teacher_inside, False), shift(counted & batch.valid, False)
     cos, sin = drafter.rotary(torch.arange(s + steps, device=hidden.device)[None], hidden.dtype)  # (1, S+steps, hd)
+    stacked = drafter.stacked_weights(compute_dtype(hidden))  # q/k/v and gate/up as two matmuls, for every step
     hiddens, draft_ids, probs, weights = [], [], [], []
     for k in range(steps):
         rope = (cos[:, k: k + s], sin[:, k: k + s])  # positions t + k
-        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope)  # (B, S, H)
+        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope, stacked=stacked)  # (B, S, H)
         hiddens.append(drafter.norm(hidden))
         draft_ids.append(ids_at(1 + k))  # (B, S, K)
         probs.append(probs_at(1 + k))  # (B, S, K)
