@@ -72,6 +72,8 @@
 # SYNTH_BATCH=512: R2's synth rows per batch (default 256). bench/synth.py on 2026-12-04: the default path at 65k
 #    generated tok/s at 256, 85k at 512 (1,024 ShareGPT prompts x 256 tokens); not yet tried in a recipe run, where
 #    synth keeps twice the batch in flight and its KV slots within 40 % of the device's memory.
+# `bash bench/h200_recipe.sh regen`: issue 12's last regeneration A/B (loops cut, a 256-token answer cap, each
+#    against the 384-token greedy base; phase_regen, ~16 min of device time; prepared 2026-12-04, not yet run).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
 #    a chain and 0.077 in the tree than on greedy ones: docs/benchmarks.md, the fourteenth run).
@@ -334,8 +336,27 @@ open(sys.argv[2], 'w').writelines(lines)" "$todo" "$RUN/shuffled.jsonl"
   [ -n "${AFTER_AB:-}" ] && phase_ab
 }
 
-spec_pair() {  # spec_pair STEP A B: MT-bench prompt lookup, chain 3 and the big tree for drafters $RUN/A and $RUN/B,
-  # side by side (τ does not depend on the other run's load, the speedups do), with their tables
+keep_both() {  # keep_both RESULT A.jsonl B.jsonl: both answer files cut to the record ids both hold (A_both.jsonl,
+  # B_both.jsonl), so the arms of an A/B answer the same prompts; the counts go to results/RESULT and progress
+  $PY - "$2" "$3" > "$RUN/results/$1" <<'PYEOF'
+import json, os, sys
+rows = [{json.loads(line)["id"]: line for line in open(p) if line.strip()} for p in sys.argv[1:]]
+both = rows[0].keys() & rows[1].keys()
+for p, r in zip(sys.argv[1:], rows):
+    open(p.replace(".jsonl", "_both.jsonl"), "w").writelines(r[i] for i in sorted(both))
+names = [os.path.basename(p).removesuffix(".jsonl") for p in sys.argv[1:]]
+print(json.dumps({names[0]: len(rows[0]), names[1]: len(rows[1]), "both": len(both)}))
+PYEOF
+  cat "$RUN/results/$1" >> "$RUN/progress"
+}
+
+ab_train() {  # the training command of an A/B arm from zero: AFTER_AB_STEPS steps (default 500), fixed seed
+  echo "train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
+    --epochs 30 --calib-prompts 4 --prefetch --lr 2e-3 --max-steps ${AFTER_AB_STEPS:-500}"
+}
+
+spec_pair() {  # spec_pair STEP A B [C ...]: MT-bench prompt lookup, chain 3 and the big tree for drafters $RUN/A,
+  # $RUN/B, ... side by side (τ does not depend on the other run's load, the speedups do), with their tables
   local step=$1 d; shift
   for d in "$@"; do
     step "${step}_spec_$d" $PY bench/spec_decode.py --drafter "$RUN/$d" --device cuda --dtype bf16 --batch 1 \
@@ -423,17 +444,8 @@ phase_s() {  # a session of measurements and one A/B (2026-12-04, fifteenth sess
     --max-new-tokens 384"
   step s2_synth_greedy timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --out "$RUN/greedy.jsonl"
   step s2_synth_sampled timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --temperature "$AB_T" --out "$RUN/sampled.jsonl"
-  $PY - "$RUN/greedy.jsonl" "$RUN/sampled.jsonl" > "$RUN/results/ab_data.json" <<'PYEOF'
-import json, sys
-rows = [{json.loads(line)["id"]: line for line in open(p) if line.strip()} for p in sys.argv[1:]]
-both = rows[0].keys() & rows[1].keys()
-for p, r in zip(sys.argv[1:], rows):
-    open(p.replace(".jsonl", "_both.jsonl"), "w").writelines(r[i] for i in sorted(both))
-print(json.dumps({"greedy": len(rows[0]), "sampled": len(rows[1]), "both": len(both)}))
-PYEOF
-  cat "$RUN/results/ab_data.json" >> "$RUN/progress"
-  local T="train --online --model smollm2 --device cuda --ttt-steps 7 --draft-vocab 16384 --batch-tokens 32768 \
-    --epochs 30 --calib-prompts 4 --prefetch --lr 2e-3 --max-steps ${AFTER_AB_STEPS:-500}"
+  keep_both ab_data.json "$RUN/greedy.jsonl" "$RUN/sampled.jsonl"
+  local T; T=$(ab_train)
   step s2_train_greedy $HSTAP $T --data "jsonl:$RUN/greedy_both.jsonl" --out "$RUN/ab_greedy" &
   step s2_train_sampled $HSTAP $T --data "jsonl:$RUN/sampled_both.jsonl" --out "$RUN/ab_sampled"
   wait
@@ -465,6 +477,33 @@ phase_v() {  # a short second machine of the same session (2026-12-04): what cha
     tests/train/test_attention.py tests/train/test_loss.py tests/runtime/test_gpu.py
   bundle
   echo "$(date +%T) V DONE" >> "$RUN/progress"
+}
+
+phase_regen() {  # issue 12's last two regeneration choices, one A/B of three arms from zero on one GPU (prepared
+  # 2026-12-04, not yet run): ShareGPT first turns answered greedily for M_SYNTH_S seconds at the recipe's
+  # 384-token cap, then the same prompts at a 256-token cap (a greedy answer under a lower cap is the other's
+  # prefix, so the arms differ in length only); all arms cut to the prompts both synths answered. Arms: base (384,
+  # loops kept), loops (384, `--loops cut`), cap256; AFTER_AB_STEPS steps each (default 500), side by side, same
+  # seed; then MT-bench of the three side by side. The GPU tests run beside the synths. ~16 min of device time.
+  mkdir -p "$RUN/results"
+  wait_assets
+  step g0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS &
+  local S="synth --model smollm2 --data sharegpt --limit 16000 --turns first --device cuda --batch-size 256"
+  step g1_synth_384 timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --max-new-tokens 384 --out "$RUN/a384.jsonl"
+  step g1_synth_256 timeout -s INT "${M_SYNTH_S:-100}" $HSTAP $S --max-new-tokens 256 --out "$RUN/a256.jsonl"
+  keep_both regen_data.json "$RUN/a384.jsonl" "$RUN/a256.jsonl"
+  local T; T=$(ab_train)
+  step g2_train_base $HSTAP $T --data "jsonl:$RUN/a384_both.jsonl" --out "$RUN/regen_base" &
+  step g2_train_loops $HSTAP $T --loops cut --data "jsonl:$RUN/a384_both.jsonl" --out "$RUN/regen_loops" &
+  step g2_train_cap256 $HSTAP $T --data "jsonl:$RUN/a256_both.jsonl" --out "$RUN/regen_cap256"
+  wait
+  for d in regen_base regen_loops regen_cap256; do
+    grep -E '"kind": "(eval|budget|budget_refit)"' "$RUN/$d/metrics.jsonl" > "$RUN/results/$d.eval-metrics.jsonl" 2>/dev/null
+  done
+  bundle
+  spec_pair g3 regen_base regen_loops regen_cap256
+  bundle
+  echo "$(date +%T) REGEN DONE" >> "$RUN/progress"
 }
 
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
@@ -561,7 +600,8 @@ case ${1:-status} in
   cont) launch phase_c ;;  # call 1 of a session that continues an earlier drafter: .gpu/data comes with parts 2, 3
   measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
   session) launch phase_s ;;
-  verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
+  verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
+  regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &
