@@ -18,9 +18,13 @@ fp32, and the reference the flex path is compared with. The diagonal terms cost 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
+
+from hstap.drafter import fused
+from hstap.errors import first_line
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flex", "math")
@@ -127,7 +131,49 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: 
     SmolLM2 TTT step's device time on an H200 (2026-12-02: `aten::mul` 22 %, the largest entry) and ~6k of its
     operator calls."""
     with torch.autocast(q.device.type, enabled=False):  # fp32 matmuls: autocast would run them in bf16
+        if _compiled_merge_here(q):
+            try:
+                # the keys stacked here, not in the compiled body: one graph for every number of keys
+                k_diag, v_diag = torch.stack(keys, dim=2), torch.stack(values, dim=2)  # (B, nkv, k, S, hd)
+                return _compiled_merge()(q, out, lse, k_diag, v_diag, scale)
+            except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go on
+                _merge_failed.append(first_line(e)[:300])
+                print(f"hstap: the compiled TTT diagonal merge failed ({_merge_failed[0]}); continuing with the "
+                      "batched-matmul one", file=sys.stderr)
         return _merge_fp32(q, out, lse, keys, values, scale)
+
+
+def merge_pointwise(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_diag: torch.Tensor, v_diag: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`_merge_fp32`'s numbers as products and sums over the k diagonal keys, stacked (B, nkv, k, S, hd): the
+    form CUDA runs compiled, where the merge (the dot products, the (1+k)-way softmax, the weighted sum, fp32
+    inside) fuses into a few kernels forward and backward. The batched-matmul form took ~4 ms of an 8B TTT step on
+    an H200 (fp32 bmm and a SIMT SGEMM, 2026-12-04) and ~40 operator calls a step — the step is host-bound at
+    2,048 positions. Eager this form is the slow one (a pass per key), so the CPU keeps `_merge_fp32`."""
+    b, nh, s, hd = q.shape
+    nkv = k_diag.shape[1]
+    g = nh // nkv
+    qg = (q.float() * scale).view(b, nkv, g, 1, s, hd)  # head h = kv h // G
+    diag = (qg * k_diag.float()[:, :, None]).sum(-1)  # (B, nkv, G, k, S)
+    weights = torch.softmax(torch.cat([lse.view(b, nkv, g, 1, s), diag], dim=3), dim=3)  # (B, nkv, G, 1+k, S)
+    prefix = out.float().view(b, nkv, g, s, hd)
+    diag_values = (weights[:, :, :, 1:, :, None] * v_diag.float()[:, :, None]).sum(3)  # (B, nkv, G, S, hd)
+    merged = weights[:, :, :, 0, :, None] * prefix + diag_values
+    return merged.view(b, nh, s, hd).to(q.dtype)
+
+
+_merge_failed: list[str] = []  # the compile error, once: every later merge takes _merge_fp32
+
+
+def _compiled_merge_here(q: torch.Tensor) -> bool:
+    """The compiled merge runs on CUDA, with the drafter's fused chains on (`hstap train --no-compile` turns both
+    off), until it has failed once."""
+    return q.is_cuda and fused.active() and not _merge_failed
+
+
+@functools.cache
+def _compiled_merge():
+    return torch.compile(merge_pointwise, dynamic=True)
 
 
 def _merge_fp32(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: list[torch.Tensor],

@@ -256,3 +256,60 @@ def test_norms_in_the_autocast_dtype_give_the_same_step_as_fp32_norm_outputs(mon
     for g, old in zip(grads, old_grads):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, old, rtol=2 ** -7, atol=1e-2 * float(old.abs().max()))
+
+
+def _merge_inputs(k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    b, nh, nkv, s, hd = 2, 8, 2, 13, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    return rand(b, nh, s, hd), rand(b, nh, s, hd), rand(b, nh, s), [rand(b, nkv, s, hd) for _ in range(k)], \
+        [rand(b, nkv, s, hd) for _ in range(k)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pointwise_merge_equals_the_batched_matmul_merge(k):
+    """The form CUDA compiles (products and sums over the stacked diagonal keys) computes `_merge_fp32`'s numbers,
+    forward and every gradient, in fp32 to rounding."""
+    from hstap.train.attention import _merge_fp32, merge_pointwise
+
+    q, out, lse, keys, values = _merge_inputs(k)
+    leaves = [q, out, lse, *keys, *values]
+    got = merge_pointwise(q, out, lse, torch.stack(keys, 2), torch.stack(values, 2), 0.25)
+    want = _merge_fp32(q, out, lse, keys, values, 0.25)
+    torch.testing.assert_close(got, want, **FP32)
+    for g, w in zip(torch.autograd.grad(got.square().sum(), leaves), torch.autograd.grad(want.square().sum(), leaves)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, capsys):
+    import hstap.train.attention as attention
+
+    def broken(*args):
+        raise RuntimeError("inductor says no\nmore trace")
+
+    monkeypatch.setattr(attention, "_merge_failed", [])
+    monkeypatch.setattr(attention, "_compiled_merge_here", lambda q: not attention._merge_failed)
+    monkeypatch.setattr(attention, "_compiled_merge", lambda: broken)
+    q, out, lse, keys, values = _merge_inputs(2, seed=1)
+    want = attention._merge_fp32(q, out, lse, keys, values, 0.25)
+    assert torch.equal(attention.merge_diagonal(q, out, lse, keys, values, 0.25), want)
+    assert torch.equal(attention.merge_diagonal(q, out, lse, keys, values, 0.25), want)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hstap: the compiled TTT diagonal merge failed (RuntimeError: inductor says no); continuing "
+                   "with the batched-matmul one"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_merge_on_cuda_equals_the_batched_matmul_merge():
+    from hstap.train import attention
+
+    q, out, lse, keys, values = (t.cuda() if isinstance(t, torch.Tensor) else [x.cuda() for x in t]
+                                 for t in _merge_inputs(3, seed=2))
+    assert attention._compiled_merge_here(q)
+    got = attention.merge_diagonal(q, out, lse, keys, values, 0.25)
+    assert not attention._merge_failed, attention._merge_failed
+    torch.testing.assert_close(got, attention._merge_fp32(q, out, lse, keys, values, 0.25), rtol=1e-5, atol=1e-5)
