@@ -18,13 +18,12 @@ fp32, and the reference the flex path is compared with. The diagonal terms cost 
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from hstap.compiling import CompiledOr
 from hstap.drafter import fused
-from hstap.errors import first_line
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flex", "math")
@@ -132,14 +131,10 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: 
     operator calls."""
     with torch.autocast(q.device.type, enabled=False):  # fp32 matmuls: autocast would run them in bf16
         if _compiled_merge_here(q):
-            try:
-                # the keys stacked here, not in the compiled body: one graph for every number of keys
-                k_diag, v_diag = torch.stack(keys, dim=2), torch.stack(values, dim=2)  # (B, nkv, k, S, hd)
-                return _compiled_merge()(q, out, lse, k_diag, v_diag, scale)
-            except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go on
-                _merge_failed.append(first_line(e)[:300])
-                print(f"hstap: the compiled TTT diagonal merge failed ({_merge_failed[0]}); continuing with the "
-                      "batched-matmul one", file=sys.stderr)
+            # the keys stacked here, not in the compiled body: one graph for every number of keys
+            k_diag, v_diag = torch.stack(keys, dim=2), torch.stack(values, dim=2)  # (B, nkv, k, S, hd)
+            return COMPILED_MERGE((q, out, lse, k_diag, v_diag, scale),
+                                  lambda: _merge_fp32(q, out, lse, keys, values, scale))
         return _merge_fp32(q, out, lse, keys, values, scale)
 
 
@@ -162,18 +157,13 @@ def merge_pointwise(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_dia
     return merged.view(b, nh, s, hd).to(q.dtype)
 
 
-_merge_failed: list[str] = []  # the compile error, once: every later merge takes _merge_fp32
+COMPILED_MERGE = CompiledOr(merge_pointwise, "TTT diagonal merge", "the batched-matmul one")
 
 
 def _compiled_merge_here(q: torch.Tensor) -> bool:
     """The compiled merge runs on CUDA, with the drafter's fused chains on (`hstap train --no-compile` turns both
     off), until it has failed once."""
-    return q.is_cuda and fused.active() and not _merge_failed
-
-
-@functools.cache
-def _compiled_merge():
-    return torch.compile(merge_pointwise, dynamic=True)
+    return q.is_cuda and fused.active() and not COMPILED_MERGE.failure
 
 
 def _merge_fp32(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: list[torch.Tensor],

@@ -14,12 +14,12 @@ the sequence. Under autocast the matmuls run in the autocast dtype, the softmax 
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from hstap.compiling import CompiledOr
 from hstap.errors import first_line
 
 CHUNK_BYTES = 512 << 20  # fp32 logits per block: 4,194 positions of a 32,000-token draft vocabulary
@@ -115,32 +115,15 @@ def block_numbers_inplace(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tens
     return loss, argmax, grad.to(logits.dtype)
 
 
-_compiled_failed: list[str] = []  # the compile error, once: every later block runs eager
+COMPILED_BLOCK = CompiledOr(block_numbers, "head loss", "the eager one")  # `.failure` once it failed
 
 
 def _block_fn(device: torch.device):
     """`block_numbers` compiled on CUDA (dynamic shapes: the last block of a step is shorter), its in-place form
-    elsewhere."""
-    if device.type != "cuda" or _compiled_failed:
+    elsewhere and after a failed compile."""
+    if device.type != "cuda" or COMPILED_BLOCK.failure:
         return block_numbers_inplace
-    return _compiled_block()
-
-
-@functools.cache
-def _compiled_block():
-    compiled = torch.compile(block_numbers, dynamic=True)
-
-    def run(*args):
-        if _compiled_failed:
-            return block_numbers_inplace(*args)
-        try:
-            return compiled(*args)
-        except Exception as e:  # noqa: BLE001 — a compiler failure must not end a training run: say so, go eager
-            _compiled_failed.append(first_line(e))
-            print(f"hstap: the compiled head loss failed ({_compiled_failed[0]}); continuing with the eager one",
-                  file=sys.stderr)
-            return block_numbers_inplace(*args)
-    return run
+    return lambda *args: COMPILED_BLOCK(args, lambda: block_numbers_inplace(*args))
 
 
 def _add_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -286,13 +286,15 @@ def test_pointwise_merge_equals_the_batched_matmul_merge(k):
 
 def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, capsys):
     import hstap.train.attention as attention
+    from hstap.compiling import CompiledOr
 
-    def broken(*args):
+    def broken(fn, **kwargs):
         raise RuntimeError("inductor says no\nmore trace")
 
-    monkeypatch.setattr(attention, "_merge_failed", [])
-    monkeypatch.setattr(attention, "_compiled_merge_here", lambda q: not attention._merge_failed)
-    monkeypatch.setattr(attention, "_compiled_merge", lambda: broken)
+    merge = CompiledOr(attention.merge_pointwise, "TTT diagonal merge", "the batched-matmul one")
+    monkeypatch.setattr(attention, "COMPILED_MERGE", merge)
+    monkeypatch.setattr(attention, "_compiled_merge_here", lambda q: not merge.failure)
+    monkeypatch.setattr(torch, "compile", broken)
     q, out, lse, keys, values = _merge_inputs(2, seed=1)
     want = attention._merge_fp32(q, out, lse, keys, values, 0.25)
     assert torch.equal(attention.merge_diagonal(q, out, lse, keys, values, 0.25), want)
@@ -311,5 +313,5 @@ def test_compiled_merge_on_cuda_equals_the_batched_matmul_merge():
                                  for t in _merge_inputs(3, seed=2))
     assert attention._compiled_merge_here(q)
     got = attention.merge_diagonal(q, out, lse, keys, values, 0.25)
-    assert not attention._merge_failed, attention._merge_failed
+    assert not attention.COMPILED_MERGE.failure, attention.COMPILED_MERGE.failure
     torch.testing.assert_close(got, attention._merge_fp32(q, out, lse, keys, values, 0.25), rtol=1e-5, atol=1e-5)

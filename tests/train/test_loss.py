@@ -170,7 +170,7 @@ def test_block_numbers_equal_autograd_even_where_ids_repeat():
 def test_compiled_block_on_cuda_matches_fp64_within_bf16():
     """The compiled CUDA block against the fp64 definition on bf16 logits of a real block size: the loss and
     argmax exactly as fp32 computes them, the bf16 gradient within one bf16 step of each value."""
-    from hstap.train.loss import _block_fn, _compiled_failed
+    from hstap.train.loss import COMPILED_BLOCK, _block_fn
 
     gen = torch.Generator().manual_seed(4)
     logits = (3 * torch.randn(1000, 16384, generator=gen)).to(torch.bfloat16)
@@ -182,7 +182,7 @@ def test_compiled_block_on_cuda_matches_fp64_within_bf16():
     ref_loss, ref_argmax, ref_grad = _block_reference(logits.float(), ids, p, scale)
     args = [t.cuda() for t in (logits, ids, p, scale)]
     loss, argmax, grad = _block_fn(torch.device("cuda"))(*args, True)
-    assert not _compiled_failed, _compiled_failed
+    assert not COMPILED_BLOCK.failure, COMPILED_BLOCK.failure
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
     assert torch.equal(argmax.cpu(), ref_argmax)
