@@ -92,14 +92,9 @@ def main() -> None:
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
                            do_sample=False, pad_token_id=pad)
 
-    def run_hstap(stepper) -> None:
-        for batch in batches:
-            decode(stepper, [Request(p, args.new) for p in batch], pad, [], args.device,
-                   sync_every=8 if on_cuda else 1)
-
-    def run_batched(runtime: Runtime, size: int) -> None:
+    def run_hstap(stepper, size: int = args.batch) -> None:
         for i in range(0, len(prompts), size):
-            decode(runtime, [Request(p, args.new) for p in prompts[i:i + size]], pad, [], args.device,
+            decode(stepper, [Request(p, args.new) for p in prompts[i:i + size]], pad, [], args.device,
                    sync_every=8 if on_cuda else 1)
 
     methods = {"generate": run_generate, "hstap eager": lambda: run_hstap(eager),
@@ -108,7 +103,7 @@ def main() -> None:
         del methods["hstap eager"]
     for size in args.also_batch:
         runtime = Runtime(model, batch_size=size, max_len=args.max_prompt + args.new + 256, cuda_graphs=on_cuda)
-        methods[f"hstap static, batch {size}"] = lambda runtime=runtime, size=size: run_batched(runtime, size)
+        methods[f"hstap static, batch {size}"] = lambda runtime=runtime, size=size: run_hstap(runtime, size)
     if args.compile:
         compiled = Runtime(model, batch_size=args.batch, max_len=args.max_prompt + args.new + 256,
                            cuda_graphs=on_cuda, compile_step=True)

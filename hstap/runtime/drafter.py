@@ -43,9 +43,8 @@ class LeanDrafter:
         self.fc = drafter.fc.weight
         self.input_norm, self.hidden_norm = layer.input_layernorm.weight, layer.hidden_norm.weight
         self.post_norm, self.norm = layer.post_attention_layernorm.weight, drafter.norm.weight
-        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
+        self.qkv, self.gate_up = drafter.stacked_weights(attn.q_proj.weight.dtype)  # ((nh+2nkv)·hd, 2H), (2I, H)
         self.o = grouped_o(attn.o_proj.weight, self.heads, self.kv_heads)  # cache_attention's head order
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
         self.down = mlp.down_proj.weight
         self.lm_head = drafter.lm_head.weight
         self.inv_freq = drafter.rotary.inv_freq

@@ -15,6 +15,7 @@ with the loss a block of positions at a time (`hstap.train.loss`; no (B, S, Vd) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -72,24 +73,17 @@ def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
     return TTTBatch(aux, ids, mask, valid, topk_ids, topk_lp)
 
 
-class _Shifts:
-    """shift_left(x, n, fill) for every n < `most` from one padded copy of x: `self(x, fill)(n)` is a view."""
-
-    def __init__(self, most: int):
-        self.most = most
-
-    def __call__(self, x: torch.Tensor, fill):
-        padded = torch.cat([x, torch.full_like(x[:, :1], fill).expand(-1, self.most, *x.shape[2:])], dim=1)
-        s = x.shape[1]
-        return lambda n: padded[:, n: n + s]
+def shift_windows(x: torch.Tensor, fill, most: int) -> Callable[[int], torch.Tensor]:
+    """`shift_left(x, n, fill)` for every n ≤ `most`, each a view of one padded copy of x: the TTT unroll reads its
+    steps' shifted inputs this way, one copy per tensor instead of one per step."""
+    padded = torch.cat([x, torch.full_like(x[:, :1], fill).expand(-1, most, *x.shape[2:])], dim=1)
+    s = x.shape[1]
+    return lambda n: padded[:, n: n + s]
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     """x[:, t] ← x[:, t+n], the tail filled with `fill`: (B, S, ...) → (B, S, ...)."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+    return shift_windows(x, fill, n)(n)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_draft_ids: torch.Tensor, target_probs: torch.Tensor,
@@ -161,13 +155,13 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     # t+1+k). Shifted-in tail positions are never counted (their token t+2+k lies past the sequence), so their
     # fill only has to be harmless: no id, probability 0.
     teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
-    # every step's shifted inputs are windows of one padded copy (`_Shifts`), and its rotary tables a window of
+    # every step's shifted inputs are windows of one padded copy (`shift_windows`), and its rotary tables a window of
     # one table over positions 0..S+steps: a view per step instead of a fill and a concatenation per tensor per
     # step (an 8B step at 2,048 positions is host-bound on an H200, 2026-12-04)
-    shift = _Shifts(steps + 2)
-    tokens_at = shift(batch.input_ids, 0)  # token t+1+k: tokens_at(1 + k)
-    ids_at, probs_at = shift(teacher_ids, -1), shift(teacher_probs, 0.0)
-    inside_at, counts_at = shift(teacher_inside, False), shift(counted & batch.valid, False)
+    most = steps + 1
+    tokens_at = shift_windows(batch.input_ids, 0, most)  # token t+1+k: tokens_at(1 + k)
+    ids_at, probs_at = shift_windows(teacher_ids, -1, most), shift_windows(teacher_probs, 0.0, most)
+    inside_at, counts_at = shift_windows(teacher_inside, False, most), shift_windows(counted & batch.valid, False, most)
     cos, sin = drafter.rotary(torch.arange(s + steps, device=hidden.device)[None], hidden.dtype)  # (1, S+steps, hd)
     stacked = drafter.stacked_weights(compute_dtype(hidden))  # q/k/v and gate/up as two matmuls, for every step
     hiddens, draft_ids, probs, weights = [], [], [], []
@@ -183,14 +177,11 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     total, losses, counts, predicted = head_soft_cross_entropy_steps(
         hiddens, drafter.lm_head.weight, draft_ids, probs, weights, [decay ** k for k in range(steps)],
         cast=head_cast(drafter.lm_head.weight, hidden))  # predicted (steps, B, S) draft ids
-    hits, countable = [], []
     with torch.no_grad():
-        for k in range(steps):
-            hits.append((predicted[k] == draft_ids[k][..., 0]) & weights[k])
-            countable.append(weights[k])
+        hits = [(predicted[k] == draft_ids[k][..., 0]) & weights[k] for k in range(steps)]
         hit_counts = torch.stack([hit.sum() for hit in hits]).double()
         stats = torch.stack([losses.double(), hit_counts, counts.double()])  # (3, steps)
-    run_len, run_ok = _chain_runs(hits, countable)
+    run_len, run_ok = _chain_runs(hits, weights)
     return TTTOutput(total, stats, run_len, run_ok)
 
 

@@ -78,17 +78,19 @@ def test_loss_on_all_counts_prompt_positions_too(small_store, target):
         ttt_forward(drafter, batch, t2d_ids, steps, 0.8, "math", "prompts")
 
 
-def test_shift_windows_equal_shift_left_for_every_step():
-    """The unroll reads each step's shifted inputs as windows of one padded copy (`_Shifts`): the same tensors
-    shift_left builds, for ids, probabilities and masks, up to the largest shift it is made for."""
-    from hstap.train.ttt import _Shifts
+def test_shift_windows_are_the_shifted_tensors_for_every_step():
+    """The unroll reads each step's shifted inputs as windows of one padded copy (`shift_windows`): for ids,
+    probabilities and masks, up to the largest shift it is made for, x[:, n:] followed by n columns of `fill`."""
+    from hstap.train.ttt import shift_windows
 
     gen = torch.Generator().manual_seed(0)
     for x, fill in [(torch.randint(0, 9, (3, 11), generator=gen), -1), (torch.rand(2, 11, 4, generator=gen), 0.0),
                     (torch.rand(2, 11, generator=gen) < 0.5, False)]:
-        window = _Shifts(9)(x, fill)
+        window = shift_windows(x, fill, 9)
         for n in range(10):
-            assert torch.equal(window(n), shift_left(x, n, fill)), (x.dtype, n)
+            want = torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
+            assert torch.equal(window(n), want), (x.dtype, n)
+            assert torch.equal(shift_left(x, n, fill), want), (x.dtype, n)
 
 
 def test_layer_step_takes_a_precomputed_rotary_window():
