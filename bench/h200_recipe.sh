@@ -486,6 +486,11 @@ phase_regen() {  # issue 12's last two regeneration choices, one A/B of three ar
   # loops kept), loops (384, `--loops cut`), cap256; AFTER_AB_STEPS steps each (default 500), side by side, same
   # seed; then MT-bench of the three side by side. The GPU tests run beside the synths. ~16 min of device time.
   mkdir -p "$RUN/results"
+  # issue 15 first, alone on the GPU while the assets arrive: the 8B trainer after the unroll's shift windows,
+  # stacked q/k/v and gate/up and the compiled diagonal merge (CPU-tested on 2026-12-04, not yet on a GPU)
+  step g0_throughput_8b timeout 300 $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 \
+    --batch 1 --seq 2048 8192 --steps 5 --profile 30 --json
+  bundle
   wait_assets
   step g0_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS &
   local S="synth --model smollm2 --data sharegpt --limit 16000 --turns first --device cuda --batch-size 256"
