@@ -73,7 +73,10 @@
 #    generated tok/s at 256, 85k at 512 (1,024 ShareGPT prompts x 256 tokens); not yet tried in a recipe run, where
 #    synth keeps twice the batch in flight and its KV slots within 40 % of the device's memory.
 # `bash bench/h200_recipe.sh regen`: issue 12's last regeneration A/B (loops cut, a 256-token answer cap, each
-#    against the 384-token greedy base; phase_regen, ~16 min of device time; prepared 2026-12-04, not yet run).
+#    against the 384-token greedy base; phase_regen, ~16 min of device time). Ran on 2026-12-04 (the fifteenth
+#    run): loops cut -0.008 chain / -0.054 tree (both within noise), the 256 cap +0.028 chain (+0.003..+0.051) /
+#    +0.001 tree at equal steps, with 22 % more prompts answered per synth second.
+# SYNTH_NEW=384: R2's answer cap in tokens (default 256 since that A/B; 384 before).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
 #    a chain and 0.077 in the tree than on greedy ones: docs/benchmarks.md, the fourteenth run).
@@ -120,7 +123,7 @@ synth_lane() {  # synth_lane G: GPU G's share for SYNTH_S seconds; should synth 
   # CUDA default, it failed after 272 s and this resumed it)
   local g=$1 t0=$SECONDS rc
   local S="$HSTAP synth --model smollm2 --data jsonl:$RUN/p$g.jsonl --turns ${TURNS:-first} --out $RUN/synth$g.jsonl \
-    --device cuda --batch-size ${SYNTH_BATCH:-256} --max-new-tokens 384 --temperature ${SYNTH_T:-0}"
+    --device cuda --batch-size ${SYNTH_BATCH:-256} --max-new-tokens ${SYNTH_NEW:-256} --temperature ${SYNTH_T:-0}"
   # SYNTH_COMPILE=1: the decode step through torch.compile (issue 12's 60k tok/s); a failure resumes without it
   step r2_synth_$g env CUDA_VISIBLE_DEVICES=$g PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     timeout -s INT "$SYNTH_S" $S ${SYNTH_COMPILE:+--compile-step}

@@ -30,6 +30,7 @@ import torch
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
+from hstap.train import attention
 from hstap.train.attention import BACKENDS
 from hstap.train.flops import ttt_train_flops
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
@@ -137,7 +138,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": args.attention,
-                              "kernels": kernels}))
+                              "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default"}))
     if args.profile and dist.rank == 0:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch
@@ -157,6 +158,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
     ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
                     help="the drafter's fused elementwise chains (CUDA); both = eager then fused, per length")
+    ap.add_argument("--flex-mode", nargs="+", default=["default"], metavar="MODE",
+                    help="torch.compile mode(s) of the flex attention kernel, each length timed in every one, in "
+                         "order (e.g. default max-autotune-no-cudagraphs)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -185,10 +189,14 @@ def main() -> None:
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
-    for seq in args.seq:
-        for on in modes:
-            fused.enable(on)
-            measure(args, cfg, model, opt, dist, t2d, seq, measured, on)
+    for flex_mode in args.flex_mode:
+        attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
+        if len(args.flex_mode) > 1 and dist.rank == 0:
+            print(f"flex attention compiled in mode {flex_mode}")
+        for seq in args.seq:
+            for on in modes:
+                fused.enable(on)
+                measure(args, cfg, model, opt, dist, t2d, seq, measured, on)
     if dist.enabled:
 
         torch.distributed.destroy_process_group()

@@ -61,8 +61,10 @@ PRESETS = {
                     ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
                     eval_new_tokens=12, shapes={"ngram": [2], "chain": [2]}, device="cpu"),
     # one H200: every ShareGPT prompt regenerated, online training fitted into 7 minutes (a store of these states
-    # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch)
-    "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=512, synth_batch=256, max_tokens=2048, epochs=40,
+    # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch). Answers
+    # capped at 256 tokens: on the H200 a 256 cap trained drafters as good as a 384 cap at equal steps (MT-bench
+    # chain-3 +0.03 τ, tree +0.00) and answered 22 % more prompts a second (docs/benchmarks.md, fifteenth run)
+    "gpu": Preset(prompts=12000, prompt_chars=2000, new_tokens=256, synth_batch=256, max_tokens=2048, epochs=40,
                   ttt_steps=7, draft_vocab=16384, lr=2e-3, batch_tokens=16384, eval_questions=80,
                   eval_new_tokens=256, shapes={"ngram": [3], "chain": [3], "tree": ["8,8,60"]}, device="cuda",
                   online=True, train_budget_s=420, calib_prompts=4),

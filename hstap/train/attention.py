@@ -27,6 +27,8 @@ from hstap.drafter import fused
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flex", "math")
+FLEX_COMPILE_MODE: str | None = None  # torch.compile mode of the flex kernel; "max-autotune-no-cudagraphs" times
+# its block sizes on the device at the first step (bench/train_throughput.py --flex-mode compares them)
 FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 2.11: "must be at least 16")
 
 
@@ -86,7 +88,7 @@ def causal_prefix_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pad = -s % BLOCK
     if pad:  # one compiled kernel serves every length up to the next block; padded keys sit after every real query
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    out, lse = _flex(q.is_cuda)(q, k, v, _causal_block_mask(s + pad, q.device), scale)
+    out, lse = _flex(q.is_cuda, FLEX_COMPILE_MODE)(q, k, v, _causal_block_mask(s + pad, q.device), scale)
     return out[:, :, :s], lse[:, :, :s]
 
 
@@ -102,13 +104,13 @@ def _causal_block_mask(length: int, device: torch.device):
 
 
 @functools.cache
-def _flex(compiled: bool):
-    """flex attention returning (out, lse). Compiled for CUDA, once: lengths vary, and dynamo makes the length
-    dynamic after the first change instead of compiling per length. Uncompiled (the CPU tests) it is PyTorch's
-    reference implementation. Older torch spells `return_aux` as `return_lse`."""
+def _flex(compiled: bool, mode: str | None = None):
+    """flex attention returning (out, lse). Compiled for CUDA (in `mode`), once: lengths vary, and dynamo makes
+    the length dynamic after the first change instead of compiling per length. Uncompiled (the CPU tests) it is
+    PyTorch's reference implementation. Older torch spells `return_aux` as `return_lse`."""
     from torch.nn.attention import flex_attention as fa
 
-    flex = torch.compile(fa.flex_attention) if compiled else fa.flex_attention
+    flex = torch.compile(fa.flex_attention, mode=mode) if compiled else fa.flex_attention
     if hasattr(fa, "AuxRequest"):
         def run(q, k, v, block_mask, scale):
             out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,

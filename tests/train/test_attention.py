@@ -315,3 +315,18 @@ def test_compiled_merge_on_cuda_equals_the_batched_matmul_merge():
     got = attention.merge_diagonal(q, out, lse, keys, values, 0.25)
     assert not attention.COMPILED_MERGE.failure, attention.COMPILED_MERGE.failure
     torch.testing.assert_close(got, attention._merge_fp32(q, out, lse, keys, values, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_compile_mode_reaches_torch_compile(monkeypatch):
+    """`FLEX_COMPILE_MODE` (bench/train_throughput.py --flex-mode) is the mode the CUDA flex kernel compiles in."""
+    from hstap.train import attention
+
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: modes.append(mode) or fn)
+    attention._flex.cache_clear()
+    try:
+        attention._flex(True, "max-autotune-no-cudagraphs")
+        attention._flex(True, None)
+    finally:
+        attention._flex.cache_clear()
+    assert modes == ["max-autotune-no-cudagraphs", None]
