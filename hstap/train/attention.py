@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
+from hstap.train.attention_flash import FlashTTTAttention, flash_supported
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
-BACKENDS = ("auto", "flex", "math")
+BACKENDS = ("auto", "flash", "flex", "math")
 FLEX_COMPILE_MODE: str | None = None  # torch.compile mode of the flex kernel; "max-autotune-no-cudagraphs" times
 # its block sizes on the device at the first step (bench/train_throughput.py --flex-mode compares them)
 FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 2.11: "must be at least 16")
@@ -35,7 +36,8 @@ FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 
 class TTTAttention:
     """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k.
 
-    `backend`: "flex" (fused kernel, CUDA), "math" (materialised prefix scores, any device), "auto" = flex on
+    `backend`: "flex" (fused kernel, CUDA), "flash" (PyTorch's flash kernels, any device, with the whole step's
+    backward in hstap.train.attention_flash), "math" (materialised prefix scores, any device), "auto" = flex on
     CUDA for heads of at least FLEX_MIN_HEAD_DIM, math elsewhere (`use_flex`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, backend: str = "auto"):
@@ -50,11 +52,27 @@ class TTTAttention:
         self.keys.append(k)
         self.values.append(v)
         scale = q.shape[-1] ** -0.5
+        if self.backend == "flash":
+            return self._flash(q, scale)
         prefix = causal_prefix_flex if use_flex(self.backend, q.is_cuda, q.shape[-1]) else causal_prefix_math
         out, lse = prefix(q, self.keys[0], self.values[0], scale)  # (B, nh, S, hd), (B, nh, S) fp32
         if len(self.keys) == 1:
             return out
         return merge_diagonal(q, out, lse, self.keys[1:], self.values[1:], scale)
+
+
+    def _flash(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step through `FlashTTTAttention`; the step-0 keys are repeated to the query heads once per unroll
+        (autograd sums their gradients back)."""
+        if not flash_supported(q):
+            raise ValueError(f"TTT attention backend 'flash': queries of dtype {q.dtype} and head_dim {q.shape[-1]} "
+                             f"on {q.device.type}; it takes fp16/bf16 on CUDA (fp32 too on a CPU) and heads up to "
+                             f"256: use --ttt-attention auto")
+        if len(self.keys) == 1:
+            self._prefix = tuple(t.repeat_interleave(self.rep, dim=1) for t in (self.keys[0], self.values[0]))
+        k_diag = torch.stack(self.keys[1:], dim=2) if len(self.keys) > 1 else None  # (B, nkv, k, S, hd)
+        v_diag = torch.stack(self.values[1:], dim=2) if len(self.keys) > 1 else None
+        return FlashTTTAttention.apply(q, *self._prefix, k_diag, v_diag, scale)
 
 
 def use_flex(backend: str, cuda: bool, head_dim: int) -> bool:

@@ -115,6 +115,30 @@ def test_flex_backend_on_cuda_equals_the_reference():
     _check_bf16_against_fp64("flex", "cuda")
 
 
+def test_flash_backend_equals_the_reference_on_the_cpu():
+    """PyTorch's CPU flash kernels, with the backward that feeds them the whole softmax's output and log-sum-exp
+    (hstap.train.attention_flash): fp32 forward and gradients equal the materialised reference."""
+    _check_against_reference("flash")
+
+
+def test_flash_backend_in_bf16_is_as_close_to_fp64_as_the_reference():
+    _check_bf16_against_fp64("flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_backend_on_cuda_equals_the_reference():
+    """The CUDA flash kernels take bf16 only: held to fp64 like the bf16 reference, heads of 128 (the 8B shape's),
+    the diagonal merge and its backward compiled."""
+    _check_bf16_against_fp64("flash", "cuda", hd=128)
+
+
+def test_flash_backend_refuses_what_its_kernels_cannot_run_in_one_line():
+    q, k, v = _inputs(steps=1, hd=8, dtype=torch.float16, grad=False)[0]
+    with pytest.raises(ValueError, match="backend 'flash'.*float16.*--ttt-attention auto"):
+        TTTAttention(4, 2, "flash")(q, k, v)
+
+
 @pytest.mark.parametrize("backend, cuda, head_dim, flex", [
     ("auto", True, 64, True), ("auto", True, 16, True), ("auto", True, 8, False), ("auto", False, 64, False),
     ("math", True, 64, False), ("flex", False, 64, True), ("flex", True, 16, True)])
@@ -130,7 +154,7 @@ def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line():
 
 
 def test_unknown_backend_names_the_valid_ones():
-    with pytest.raises(ValueError, match="auto, flex, math"):
+    with pytest.raises(ValueError, match="auto, flash, flex, math"):
         TTTAttention(4, 2, "sdpa")
 
 

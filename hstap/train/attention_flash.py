@@ -1,0 +1,126 @@
+"""One TTT attention step on PyTorch's flash kernels: the causal prefix through `aten`'s flash attention, the
+diagonal keys merged in, and a backward that needs no gradient of the kernel's log-sum-exp.
+
+The flex path (hstap.train.attention) differentiates the merge through the prefix's log-sum-exp L, so its kernel
+must take L's gradient. The flash kernels do not, and need not: the prefix is one block of a single softmax over
+[prefix keys; diagonal keys], and a block's gradient depends only on the *whole* softmax — its output O and
+log-sum-exp L* — the way ring attention differentiates one block at a time. Called with (O, L*, dO) instead of the
+prefix's own (out, L), the flash backward returns the prefix's exact share of dq, dk and dv:
+
+    dS_prefix = exp(S − L*) ⊙ (dO Vᵀ − rowsum(dO ⊙ O))
+
+and the diagonal keys, (B, nh, S) scores d_i = q·k_i/√hd with weights p_i = exp(d_i − L*), take
+
+    dv_i = p_i dO,   dd_i = p_i (dO·v_i − rowsum(dO ⊙ O)),   dq += Σ dd_i k_i/√hd,   dk_i = dd_i q/√hd
+
+(summed over each key/value head's G query heads). On an H200 flex ran the 8B shape's causal prefix at ~190
+TFLOP/s (docs/benchmarks.md, the fifteenth GPU run); this is PyTorch's FlashAttention-2 kernel on CUDA, its flash
+kernel on a CPU (where the tests compare it with the materialised scores)."""
+
+from __future__ import annotations
+
+import torch
+
+from hstap.compiling import CompiledOr
+
+
+def flash_supported(q: torch.Tensor) -> bool:
+    """The flash kernels take fp16/bf16 on CUDA (fp32 too on a CPU) and heads up to 256."""
+    if q.shape[-1] > 256:
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else q.dtype in (torch.float32, torch.bfloat16)
+
+
+def _flash_forward(q, k, v, scale):
+    """Causal flash attention → (out (B, nh, S, hd), lse (B, nh, S) fp32, what the CUDA backward needs)."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
+
+
+def _flash_backward(d_out, q, k, v, out, lse, scale, extra):
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, rng, unused = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def diagonal_forward(q, out, lse, k_diag, v_diag, scale):
+    """Merge the diagonal keys into the prefix result: q/out (B, nh, S, hd), lse (B, nh, S), k/v_diag stacked
+    (B, nkv, k, S, hd) → (merged output in q's dtype, the whole softmax's log-sum-exp (B, nh, S) fp32)."""
+    b, nh, s, hd = q.shape
+    nkv = k_diag.shape[1]
+    g = nh // nkv
+    qg = (q.float() * scale).view(b, nkv, g, 1, s, hd)  # head h = kv head h // G
+    diag = (qg * k_diag.float()[:, :, None]).sum(-1)  # (B, nkv, G, k, S)
+    prefix_lse = lse.float().view(b, nkv, g, 1, s)
+    total = torch.logsumexp(torch.cat([prefix_lse, diag], dim=3), dim=3)  # (B, nkv, G, S)
+    p = torch.exp(diag - total[:, :, :, None])  # (B, nkv, G, k, S)
+    merged = torch.exp(prefix_lse[:, :, :, 0] - total)[..., None] * out.float().view(b, nkv, g, s, hd) \
+        + (p[..., None] * v_diag.float()[:, :, None]).sum(3)  # (B, nkv, G, S, hd)
+    return merged.view(b, nh, s, hd).to(q.dtype), total.view(b, nh, s)
+
+
+def diagonal_backward(q, d_out, out, total, k_diag, v_diag, scale):
+    """The diagonal keys' gradients and their share of dq (module docstring), all in fp32 inside →
+    (dq (B, nh, S, hd), dk_diag, dv_diag (B, nkv, k, S, hd)), in the inputs' dtypes."""
+    b, nh, s, hd = q.shape
+    nkv = k_diag.shape[1]
+    g = nh // nkv
+    qf = q.float().view(b, nkv, g, 1, s, hd)
+    kf, vf = k_diag.float()[:, :, None], v_diag.float()[:, :, None]  # (B, nkv, 1, k, S, hd)
+    dof = d_out.float().view(b, nkv, g, 1, s, hd)
+    rowsum = (dof * out.float().view(b, nkv, g, 1, s, hd)).sum(-1)  # (B, nkv, G, 1, S)
+    p = torch.exp((qf * kf).sum(-1) * scale - total.view(b, nkv, g, 1, s))  # (B, nkv, G, k, S)
+    dd = p * ((dof * vf).sum(-1) - rowsum)  # (B, nkv, G, k, S)
+    dq = (dd[..., None] * kf).sum(3) * scale  # (B, nkv, G, S, hd)
+    dk = (dd[..., None] * qf).sum(2) * scale  # (B, nkv, k, S, hd)
+    dv = (p[..., None] * dof).sum(2)
+    return dq.view(b, nh, s, hd).to(q.dtype), dk.to(k_diag.dtype), dv.to(v_diag.dtype)
+
+
+COMPILED_DIAGONAL_FORWARD = CompiledOr(diagonal_forward, "flash TTT diagonal merge", "the eager one")
+COMPILED_DIAGONAL_BACKWARD = CompiledOr(diagonal_backward, "flash TTT diagonal backward", "the eager one")
+
+
+def _run(compiled: CompiledOr, plain, args: tuple):
+    """On CUDA the fused (compiled) form, one graph for every number of keys; eager elsewhere."""
+    if args[0].is_cuda and not compiled.failure:
+        return compiled(args, lambda: plain(*args))
+    return plain(*args)
+
+
+class FlashTTTAttention(torch.autograd.Function):
+    """q (B, nh, S, hd); k0/v0 the step-0 keys repeated to the nh heads (B, nh, S, hd); k_diag/v_diag the
+    diagonal keys of steps 1..k stacked (B, nkv, k, S, hd), or None at step 0 → (B, nh, S, hd)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, k_diag, v_diag, scale: float):
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse, extra = _flash_forward(q, k0, v0, scale)
+            total = lse
+            if k_diag is not None:
+                out_merged, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward,
+                                         (q, out, lse, k_diag, v_diag, scale))
+                out = out_merged
+        ctx.save_for_backward(q, k0, v0, k_diag, v_diag, out, total)
+        ctx.scale, ctx.extra = scale, extra
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k0, v0, k_diag, v_diag, out, total = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk0, dv0 = _flash_backward(d_out, q, k0, v0, out, total, ctx.scale, ctx.extra)
+            dk_diag = dv_diag = None
+            if k_diag is not None:
+                dq_diag, dk_diag, dv_diag = _run(COMPILED_DIAGONAL_BACKWARD, diagonal_backward,
+                                                 (q, d_out, out, total, k_diag, v_diag, ctx.scale))
+                dq = dq + dq_diag
+        return dq, dk0, dv0, dk_diag, dv_diag, None
