@@ -31,7 +31,6 @@ from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
 from hstap.train import attention
-from hstap.train.attention import BACKENDS
 from hstap.train.flops import ttt_train_flops
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
 
@@ -153,7 +152,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, nargs="+", default=[512], help="one or more sequence lengths")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--attention", default="auto", choices=BACKENDS,
+    ap.add_argument("--attention", default="auto", choices=attention.BACKENDS,
                     help="TTT attention backend (auto: flex on CUDA; math: materialised prefix scores)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
     ap.add_argument("--fused", default="on", choices=["on", "off", "both"],

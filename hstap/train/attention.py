@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
-from hstap.train.attention_flash import FlashTTTAttention, flash_supported
+from hstap.train.attention_flash import FlashTTTAttention, diagonal_forward, flash_supported
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flash", "flex", "math")
@@ -60,7 +60,6 @@ class TTTAttention:
             return out
         return merge_diagonal(q, out, lse, self.keys[1:], self.values[1:], scale)
 
-
     def _flash(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """The step through `FlashTTTAttention`; the step-0 keys are repeated to the query heads once per unroll
         (autograd sums their gradients back)."""
@@ -70,8 +69,9 @@ class TTTAttention:
                              f"256: use --ttt-attention auto")
         if len(self.keys) == 1:
             self._prefix = tuple(t.repeat_interleave(self.rep, dim=1) for t in (self.keys[0], self.values[0]))
-        k_diag = torch.stack(self.keys[1:], dim=2) if len(self.keys) > 1 else None  # (B, nkv, k, S, hd)
-        v_diag = torch.stack(self.values[1:], dim=2) if len(self.keys) > 1 else None
+        k_diag = v_diag = None
+        if len(self.keys) > 1:
+            k_diag, v_diag = (torch.stack(t[1:], dim=2) for t in (self.keys, self.values))  # (B, nkv, k, S, hd)
         return FlashTTTAttention.apply(q, *self._prefix, k_diag, v_diag, scale)
 
 
@@ -165,16 +165,7 @@ def merge_pointwise(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_dia
     inside) fuses into a few kernels forward and backward. The batched-matmul form took ~4 ms of an 8B TTT step on
     an H200 (fp32 bmm and a SIMT SGEMM, 2026-12-04) and ~40 operator calls a step — the step is host-bound at
     2,048 positions. Eager this form is the slow one (a pass per key), so the CPU keeps `_merge_fp32`."""
-    b, nh, s, hd = q.shape
-    nkv = k_diag.shape[1]
-    g = nh // nkv
-    qg = (q.float() * scale).view(b, nkv, g, 1, s, hd)  # head h = kv h // G
-    diag = (qg * k_diag.float()[:, :, None]).sum(-1)  # (B, nkv, G, k, S)
-    weights = torch.softmax(torch.cat([lse.view(b, nkv, g, 1, s), diag], dim=3), dim=3)  # (B, nkv, G, 1+k, S)
-    prefix = out.float().view(b, nkv, g, s, hd)
-    diag_values = (weights[:, :, :, 1:, :, None] * v_diag.float()[:, :, None]).sum(3)  # (B, nkv, G, S, hd)
-    merged = weights[:, :, :, 0, :, None] * prefix + diag_values
-    return merged.view(b, nh, s, hd).to(q.dtype)
+    return diagonal_forward(q, out, lse, k_diag, v_diag, scale)[0]  # the flash path's merge, its lse unused
 
 
 COMPILED_MERGE = CompiledOr(merge_pointwise, "TTT diagonal merge", "the batched-matmul one")

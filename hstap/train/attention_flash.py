@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hstap.compiling import CompiledOr
+from hstap.drafter import fused
 
 
 def flash_supported(q: torch.Tensor) -> bool:
@@ -52,7 +53,8 @@ def _flash_backward(d_out, q, k, v, out, lse, scale, extra):
 
 def diagonal_forward(q, out, lse, k_diag, v_diag, scale):
     """Merge the diagonal keys into the prefix result: q/out (B, nh, S, hd), lse (B, nh, S), k/v_diag stacked
-    (B, nkv, k, S, hd) → (merged output in q's dtype, the whole softmax's log-sum-exp (B, nh, S) fp32)."""
+    (B, nkv, k, S, hd) → (merged output in q's dtype, the whole softmax's log-sum-exp (B, nh, S) fp32). Also the
+    flex path's compiled merge (hstap.train.attention.merge_pointwise), differentiated by autograd there."""
     b, nh, s, hd = q.shape
     nkv = k_diag.shape[1]
     g = nh // nkv
@@ -89,8 +91,9 @@ COMPILED_DIAGONAL_BACKWARD = CompiledOr(diagonal_backward, "flash TTT diagonal b
 
 
 def _run(compiled: CompiledOr, plain, args: tuple):
-    """On CUDA the fused (compiled) form, one graph for every number of keys; eager elsewhere."""
-    if args[0].is_cuda and not compiled.failure:
+    """On CUDA the fused (compiled) form, one graph for every number of keys, as the flex path's merge
+    (`hstap train --no-compile` turns both off); eager elsewhere and after a failed compile."""
+    if args[0].is_cuda and fused.active():
         return compiled(args, lambda: plain(*args))
     return plain(*args)
 
@@ -102,12 +105,9 @@ class FlashTTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, k_diag, v_diag, scale: float):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse, extra = _flash_forward(q, k0, v0, scale)
-            total = lse
+            out, total, extra = _flash_forward(q, k0, v0, scale)  # at step 0 the prefix is the whole softmax
             if k_diag is not None:
-                out_merged, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward,
-                                         (q, out, lse, k_diag, v_diag, scale))
-                out = out_merged
+                out, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward, (q, out, total, k_diag, v_diag, scale))
         ctx.save_for_backward(q, k0, v0, k_diag, v_diag, out, total)
         ctx.scale, ctx.extra = scale, extra
         return out
