@@ -12,14 +12,18 @@ Every rank trains a batch of its own, so tokens/s is the sum over ranks; peak me
 forward + backward) / step time / `--peak-tflops` (default: the H200's dense bf16 peak, 989.4 TFLOP/s), and also
 as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 product on CUDA). `--seq` takes
 several lengths, measured one after another in one process. `--fused both` times every length with the
-drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side.
-Rank 0 prints; `--json` adds machine-readable lines.
+drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side;
+`--attention flex flash` times each TTT attention backend in turn, in the same process. `--graph both` times each
+length as `hstap train` steps, then with the whole step captured as one CUDA graph (`GraphedStep`: the step without
+its host cost; the optimizer is then built capturable for both). Rank 0 prints; `--json` adds machine-readable lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import itertools
 import json
 import platform
 import statistics
@@ -77,14 +81,48 @@ def train_step(model, opt, batch: TTTBatch, device: torch.device) -> None:
     opt.step()
 
 
-def time_steps(model, opt, batch: TTTBatch, device: torch.device, steps: int) -> float:
-    """Median seconds of a training step, 2 warm-ups excluded."""
+class GraphedStep:
+    """The whole training step (forward, backward, AdamW) captured once as one CUDA graph and replayed: what the
+    step costs with no host in it. An 8B step at 2,048 positions is host-bound on an H200 (2026-12-04: 69.4 ms of
+    device work in a 75-ms step), so this measures what a graphed trainer would gain before one is built. Needs
+    static shapes (one graph per batch shape), no host sync in the step (`ttt_forward` has none) and an optimizer
+    built with capturable=True."""
+
+    def __init__(self, model, opt, batch: TTTBatch, device: torch.device, warmups: int = 3):
+        self.inputs = [t.clone() for t in batch_tensors(batch)]  # the graph reads its inputs from here
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles and allocator warm-up happen here, outside the capture
+            for _ in range(warmups):
+                self._step(model, opt, device)
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step(model, opt, device, zero=False)
+
+    def _step(self, model, opt, device: torch.device, zero: bool = True) -> None:
+        with autocast(device):
+            loss = model(*self.inputs)[0]
+        if zero:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def __call__(self, batch: TTTBatch) -> None:
+        for static, fresh in zip(self.inputs, batch_tensors(batch)):
+            static.copy_(fresh, non_blocking=True)
+        self.graph.replay()
+
+
+def time_steps(step, steps: int, device: torch.device) -> float:
+    """Median seconds of `step()`, 2 warm-ups excluded."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(steps + 2):
         sync()
         t0 = time.perf_counter()
-        train_step(model, opt, batch, device)
+        step()
         sync()
         if i >= 2:
             times.append(time.perf_counter() - t0)
@@ -111,8 +149,9 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
 
 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
-            on: bool) -> None:
-    """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory."""
+            on: bool, graphed: bool) -> None:
+    """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory; `graphed`: the
+    step captured as one CUDA graph (`GraphedStep`; its capture and warm-ups are not timed)."""
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     cuda = dist.device.type == "cuda"
@@ -121,26 +160,43 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dist.device)
-    step_s = dist.agree_max(time_steps(model, opt, batch, dist.device, args.steps))  # the slowest rank
+    if graphed:
+        try:
+            graph = GraphedStep(model, opt, batch, dist.device)
+        except Exception as e:  # noqa: BLE001 — a step that cannot be captured is a finding, not the end of the run
+            print(f"seq {seq}: the step could not be captured as a CUDA graph: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}")
+            opt.zero_grad(set_to_none=True)
+            return
+        step = functools.partial(graph, batch)
+    else:
+        step = functools.partial(train_step, model, opt, batch, dist.device)
+    step_s = dist.agree_max(time_steps(step, args.steps, dist.device))  # the slowest rank
     kernels = "fused" if on and fused.active() and cuda else "eager"  # after the steps: a failed compile says eager
+    kernels += " graphed" if graphed else ""
     tokens = args.batch * seq * dist.world_size
     tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
     mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
     peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
     peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
     if dist.rank == 0:
-        print(f"seq {seq} [{kernels}]: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
+        print(f"seq {seq} [{getattr(model, 'module', model).attention}, {kernels}]: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
               f"{dist.world_size} rank(s), {tflops:.3g} TFLOP/s of model FLOPs per device: MFU {100 * mfu:.1f}% "
               f"({100 * of_matmul:.1f}% of the measured matmul rate), peak memory {peak_gib:.1f} GiB per GPU")
         if args.json:
             print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
-                              "mfu": mfu, "matmul_tflops": measured, "attention": args.attention,
+                              "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
                               "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default"}))
-    if args.profile and dist.rank == 0:
+    if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
-    del batch
+    del batch, step
+    if graphed:
+        del graph
+        opt.zero_grad(set_to_none=True)  # the graph's gradients live in its pool: let both go
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -152,19 +208,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, nargs="+", default=[512], help="one or more sequence lengths")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--attention", default="auto", choices=attention.BACKENDS,
-                    help="TTT attention backend (auto: flex on CUDA; math: materialised prefix scores)")
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=attention.BACKENDS,
+                    help="TTT attention backend(s), each timed at every length, in order, in one process (auto: flex "
+                         "on CUDA; math: materialised prefix scores)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="the MFU denominator")
     ap.add_argument("--fused", default="on", choices=["on", "off", "both"],
                     help="the drafter's fused elementwise chains (CUDA); both = eager then fused, per length")
     ap.add_argument("--flex-mode", nargs="+", default=["default"], metavar="MODE",
                     help="torch.compile mode(s) of the flex attention kernel, each length timed in every one, in "
                          "order (e.g. default max-autotune-no-cudagraphs)")
+    ap.add_argument("--graph", default="off", choices=["off", "on", "both"],
+                    help="CUDA: the whole step (forward, backward, AdamW) captured as one CUDA graph and replayed; "
+                         "both = plain then graphed, per length (one process only)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
     args = ap.parse_args()
     dist = distributed.setup(args.device)
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graph]
+    if True in graph_modes and (dist.device.type != "cuda" or dist.enabled):
+        ap.error("--graph: one CUDA process (DDP's gradient hooks are not captured here)")
     torch.manual_seed(0)  # the same weights on every rank, as DDP expects
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
@@ -175,27 +238,29 @@ def main() -> None:
     drafter.d2t.copy_(d2t), drafter.t2d.copy_(t2d)
     drafter.to(dist.device)
     cuda = dist.device.type == "cuda"
-    model = dist.wrap(TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8, args.attention))
+    ttt = TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8, args.attention[0])
+    model = dist.wrap(ttt)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
-                            fused=cuda)  # as hstap.train.run builds it
+                            fused=cuda, capturable=True in graph_modes)  # as hstap.train.run builds it
     measured = matmul_tflops(dist.device)
     if dist.rank == 0:
         name = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, " \
             f"{torch.get_num_threads()} threads"
         print(f"date {datetime.date.today()}, device {dist.world_size} x {name}, torch {torch.__version__}, shape "
               f"{args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {args.batch} per rank, "
-              f"attention {args.attention}, median of {args.steps} steps")
+              f"attention {' '.join(args.attention)}, median of {args.steps} steps")
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
-    for flex_mode in args.flex_mode:
+    for backend, flex_mode in itertools.product(args.attention, args.flex_mode):
+        ttt.attention = backend
         attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
-        if len(args.flex_mode) > 1 and dist.rank == 0:
-            print(f"flex attention compiled in mode {flex_mode}")
+        if (len(args.flex_mode) > 1 or len(args.attention) > 1) and dist.rank == 0:
+            print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}")
         for seq in args.seq:
-            for on in modes:
+            for on, graphed in itertools.product(modes, graph_modes):
                 fused.enable(on)
-                measure(args, cfg, model, opt, dist, t2d, seq, measured, on)
+                measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed)
     if dist.enabled:
 
         torch.distributed.destroy_process_group()
