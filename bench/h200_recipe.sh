@@ -76,6 +76,9 @@
 #    against the 384-token greedy base; phase_regen, ~16 min of device time). Ran on 2026-12-04 (the fifteenth
 #    run): loops cut -0.008 chain / -0.054 tree (both within noise), the 256 cap +0.028 chain (+0.003..+0.051) /
 #    +0.001 tree at equal steps, with 22 % more prompts answered per synth second.
+# `bash bench/h200_recipe.sh graphs`: issue 15's CUDA-graphed trainer step (phase_graphs, ~9 min of device time):
+#    the drafter step with and without graphs, its GPU test, the online trainer's real batches, and two short
+#    `hstap train --online` runs, without and with --cuda-graphs.
 # SYNTH_NEW=384: R2's answer cap in tokens (default 256 since that A/B; 384 before).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
@@ -514,6 +517,31 @@ phase_regen() {  # issue 12's last two regeneration choices, one A/B of three ar
   echo "$(date +%T) REGEN DONE" >> "$RUN/progress"
 }
 
+phase_graphs() {  # issue 15's CUDA-graphed trainer step (hstap train --cuda-graphs; 2026-12-04, seventeenth session):
+  # first, while the assets arrive, the drafter step alone without and with graphs (8B at 2,048, the
+  # SmolLM2 drafter at 8 x 2,048) and the graphed step's GPU test; then the online trainer's real batches (device
+  # path, with and without prefetch, each with and without graphs) and a short `hstap train --online` twice, the
+  # same seed, without and with --cuda-graphs (losses side by side, tokens/s). ~9 min of device time.
+  mkdir -p "$RUN/results"
+  step g0_throughput_graph timeout 200 $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 \
+    --batch 1 --seq 2048 --steps 8 --graph both --json  # at 8,192 the step is device-bound (graphs: 285 = 285 ms)
+  step g0_throughput_graph_smollm2 timeout 120 $PY bench/train_throughput.py --device cuda --shape smollm2 \
+    --draft-vocab 16384 --batch 8 --seq 2048 --steps 10 --graph both --json
+  step g0_graphed_test timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphed.py
+  bundle
+  wait_assets
+  step g1_online_graphs timeout 300 $PY bench/train_online.py --device cuda --batch-tokens 16384 --limit 3000 \
+    --paths device,device+graphs,device+prefetch,device+prefetch+graphs --steps 12 --warmup 3 --json
+  bundle
+  local T="train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 --draft-vocab 16384 \
+    --batch-tokens 16384 --lr 2e-3 --max-steps 80 --calib-prompts 0 --heldout 0.02 --seed 0 --prefetch"
+  step g2_train_eager timeout 240 $HSTAP $T --out "$RUN/train_eager"
+  step g2_train_graphs timeout 240 $HSTAP $T --cuda-graphs --out "$RUN/train_graphs"
+  for d in train_eager train_graphs; do cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null; done
+  bundle
+  echo "$(date +%T) GRAPHS DONE" >> "$RUN/progress"
+}
+
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
   while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
   data_out
@@ -609,6 +637,7 @@ case ${1:-status} in
   measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
   session) launch phase_s ;;
   verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
+  graphs) launch phase_graphs ;;  # call 1 (with .gpu/1 and .whl): the CUDA-graphed trainer step (phase_graphs)
   regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \

@@ -1,6 +1,8 @@
 """Online training throughput on one device — the target's prefill plus the drafter's training step — for the
 capture path (what online training ran before: the Tap's pinned-host copies, per-sample dicts, `collate`, the copy
-back) against the device path (`DeviceOnlineSource`), without and with prefetch, on the same batches in one run.
+back) against the device path (`DeviceOnlineSource`), without and with prefetch, on the same batches in one run;
+on CUDA `--paths device,device+graphs` adds the device path with the drafter's step replayed from CUDA graphs
+(`hstap train --cuda-graphs`; every batch shape captured in an untimed pass first).
 
     python bench/train_online.py --device cuda                  # the SmolLM2 recipe: 16k, 32k, 64k-token batches
     python bench/train_online.py --device cuda --profile runs/prof   # + a torch.profiler trace of the device path
@@ -33,11 +35,12 @@ from hstap.models import load_target
 from hstap.train import distributed
 from hstap.train.data import OnlineSource, load_batch, plan_batches
 from hstap.train.online import DeviceOnlineSource
+from hstap.train.graphed import GraphedTTT
 from hstap.train.run import accumulate
 from hstap.train.ttt import TTTModel, autocast
 
 LAYERS = [1, 14, 26]
-PATHS = ("capture", "device", "device+prefetch")
+PATHS = ("capture", "device", "device+prefetch")  # and, on CUDA, "device+graphs", "device+prefetch+graphs"
 
 
 def build_drafter(target, source, draft_vocab: int, device: torch.device) -> Eagle3Drafter:
@@ -66,19 +69,24 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
     model = TTTModel(drafter, target_to_draft_ids(drafter.d2t, drafter.config.vocab_size).to(device), ttt_steps, 0.8)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    prefetch = path == "device+prefetch"
+    prefetch = "prefetch" in path
+    graphed = GraphedTTT(model) if "graphs" in path else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start, timed = 0.0, batches[warmup:-1]
-    for i, indices in enumerate(batches[:-1]):
-        if i == warmup:
+    # with graphs, every batch shape is captured in an untimed first pass: a run replays the shapes of its first
+    # steps for the rest of its epochs, and the timed steps measure that steady state
+    order = (batches[:-1] if graphed else []) + batches[:-1]
+    first_timed = len(order) - len(timed)
+    for i, indices in enumerate(order):
+        if i == first_timed:
             sync()
             start = time.perf_counter()
-        ahead = batches[i + 1] if prefetch else None
-        accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead])
+        ahead = order[i + 1] if prefetch and i + 1 < len(order) else batches[-1] if prefetch else None
+        accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead], graphed)
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=graphed is None)
     sync()
     step_s = (time.perf_counter() - start) / len(timed)
     fetch = []

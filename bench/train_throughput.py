@@ -14,8 +14,8 @@ as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 pr
 several lengths, measured one after another in one process. `--fused both` times every length with the
 drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side;
 `--attention flex flash` times each TTT attention backend in turn, in the same process. `--graph both` times each
-length as `hstap train` steps, then with the whole step captured as one CUDA graph (`GraphedStep`: the step without
-its host cost; the optimizer is then built capturable for both). Rank 0 prints; `--json` adds machine-readable lines.
+length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
+hstap.train.graphed; capture and warm-ups untimed). Rank 0 prints; `--json` adds machine-readable lines.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from hstap.metrics import tokens_per_second
 from hstap.train import distributed
 from hstap.train import attention
 from hstap.train.flops import ttt_train_flops
+from hstap.train.graphed import GraphedTTT
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
 
 H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's H200 SXM figure without sparsity; the device README measured ~790 in matmuls
@@ -81,38 +82,12 @@ def train_step(model, opt, batch: TTTBatch, device: torch.device) -> None:
     opt.step()
 
 
-class GraphedStep:
-    """The whole training step (forward, backward, AdamW) captured once as one CUDA graph and replayed: what the
-    step costs with no host in it. An 8B step at 2,048 positions is host-bound on an H200 (2026-12-04: 69.4 ms of
-    device work in a 75-ms step), so this measures what a graphed trainer would gain before one is built. Needs
-    static shapes (one graph per batch shape), no host sync in the step (`ttt_forward` has none) and an optimizer
-    built with capturable=True."""
-
-    def __init__(self, model, opt, batch: TTTBatch, device: torch.device, warmups: int = 3):
-        self.inputs = [t.clone() for t in batch_tensors(batch)]  # the graph reads its inputs from here
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles and allocator warm-up happen here, outside the capture
-            for _ in range(warmups):
-                self._step(model, opt, device)
-        torch.cuda.current_stream().wait_stream(side)
-        opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step(model, opt, device, zero=False)
-
-    def _step(self, model, opt, device: torch.device, zero: bool = True) -> None:
-        with autocast(device):
-            loss = model(*self.inputs)[0]
-        if zero:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    def __call__(self, batch: TTTBatch) -> None:
-        for static, fresh in zip(self.inputs, batch_tensors(batch)):
-            static.copy_(fresh, non_blocking=True)
-        self.graph.replay()
+def graphed_step(graph: GraphedTTT, opt, batch: TTTBatch, device: torch.device) -> None:
+    """`train_step` as `hstap train --cuda-graphs` takes it: the forward and backward replayed from the batch
+    shape's CUDA graph (captured at the first call, with its warm-ups), AdamW eager, gradients zeroed in place."""
+    graph(batch, autocast(device))
+    opt.step()
+    opt.zero_grad(set_to_none=False)
 
 
 def time_steps(step, steps: int, device: torch.device) -> float:
@@ -151,7 +126,8 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
             on: bool, graphed: bool) -> None:
     """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory; `graphed`: the
-    step captured as one CUDA graph (`GraphedStep`; its capture and warm-ups are not timed)."""
+    forward and backward replayed from a CUDA graph (`graphed_step`; the capture and its warm-ups untimed: they
+    run in the first of the 2 untimed steps)."""
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     cuda = dist.device.type == "cuda"
@@ -160,15 +136,9 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dist.device)
-    if graphed:
-        try:
-            graph = GraphedStep(model, opt, batch, dist.device)
-        except Exception as e:  # noqa: BLE001 — a step that cannot be captured is a finding, not the end of the run
-            print(f"seq {seq}: the step could not be captured as a CUDA graph: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}")
-            opt.zero_grad(set_to_none=True)
-            return
-        step = functools.partial(graph, batch)
+    if graphed:  # the trainer's form (hstap train --cuda-graphs): forward + backward replayed, AdamW eager
+        graph = GraphedTTT(model)
+        step = functools.partial(graphed_step, graph, opt, batch, dist.device)
     else:
         step = functools.partial(train_step, model, opt, batch, dist.device)
     step_s = dist.agree_max(time_steps(step, args.steps, dist.device))  # the slowest rank
@@ -194,9 +164,8 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     del batch, step
     if graphed:
         del graph
-        opt.zero_grad(set_to_none=True)  # the graph's gradients live in its pool: let both go
-        if cuda:
-            torch.cuda.empty_cache()
+        opt.zero_grad(set_to_none=True)  # the next length's graphs (or eager steps) start from no gradients
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -218,8 +187,8 @@ def main() -> None:
                     help="torch.compile mode(s) of the flex attention kernel, each length timed in every one, in "
                          "order (e.g. default max-autotune-no-cudagraphs)")
     ap.add_argument("--graph", default="off", choices=["off", "on", "both"],
-                    help="CUDA: the whole step (forward, backward, AdamW) captured as one CUDA graph and replayed; "
-                         "both = plain then graphed, per length (one process only)")
+                    help="CUDA: the forward and backward replayed from a CUDA graph, as hstap train --cuda-graphs "
+                         "runs them; both = plain then graphed, per length (one process only)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -241,7 +210,7 @@ def main() -> None:
     ttt = TTTModel(drafter, target_to_draft_ids(drafter.d2t, vocab), args.ttt_steps, 0.8, args.attention[0])
     model = dist.wrap(ttt)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
-                            fused=cuda, capturable=True in graph_modes)  # as hstap.train.run builds it
+                            fused=cuda)  # as hstap.train.run builds it
     measured = matmul_tflops(dist.device)
     if dist.rank == 0:
         name = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, " \

@@ -114,8 +114,8 @@ def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-@functools.lru_cache(maxsize=16)
-def _causal_block_mask(length: int, device: torch.device):
+@functools.cache  # never evicted: a CUDA graph of a training step (hstap.train.graphed) reads its mask's memory
+def _causal_block_mask(length: int, device: torch.device):  # one per padded length: at most max length / BLOCK
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(_causal, None, None, length, length, device=device)

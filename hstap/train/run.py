@@ -33,6 +33,7 @@ from hstap.train import checkpoint, distributed, rundir
 from hstap.train.config import TrainConfig
 from hstap.train.calibrate import calibrate, calibration_indices, prompt_of
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
+from hstap.train.graphed import GraphedTTT
 from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
 from hstap.train.ttt import TTTModel, batch_tensors
@@ -222,7 +223,7 @@ def probe_sizes(batches: int) -> tuple[int, int]:
 
 
 def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
-                     layer_ids: list[int], device: torch.device, autocast) -> float:
+                     layer_ids: list[int], device: torch.device, autocast, graphed: GraphedTTT | None = None) -> float:
     """Wall time of one training step (fetch, forward, backward) on the first batches of the plan, measured before
     training so the schedule is fitted before step 1. No optimizer step: weights and optimizer state stay as
     they are, and the measured batches are trained on again in order."""
@@ -234,10 +235,13 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource,
             sync()
             timed_from = time.perf_counter()
         batch = load_batch(source, indices, layer_ids, device)
-        with autocast:
-            loss = model(*batch_tensors(batch))[0]
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        if graphed is not None:
+            graphed(batch, autocast)
+        else:
+            with autocast:
+                loss = model(*batch_tensors(batch))[0]
+            loss.backward()
+        model.zero_grad(set_to_none=graphed is None)  # a graph's gradients stay where it writes them
     sync()
     return (time.perf_counter() - timed_from) / timed
 
@@ -316,6 +320,10 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on))
+    if cfg.cuda_graphs and dist.world_size > 1:
+        raise HstapError(f"--cuda-graphs runs in one process; this run has {dist.world_size} ranks (DDP's "
+                         "all-reduce is not captured): drop --cuda-graphs or run one process")
+    graphed = GraphedTTT(model, 1 / cfg.grad_accum) if cfg.cuda_graphs else None
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)
@@ -366,7 +374,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     refits = bool(cfg.time_budget_s and not schedule.fitted)  # fitted here (a resumed run keeps its fit)
     if refits:
         mine = epoch_plan(state.epoch)[dist.rank::dist.world_size]
-        seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast))
+        seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast,
+                                                                   graphed))
         schedule.total = total_steps = fit_to_budget(total_steps, state.step, seconds,
                                                      cfg.time_budget_s - (time.perf_counter() - start))
         schedule.fitted = True  # every rank agreed on the same per-step time, so they stop at the same step
@@ -400,10 +409,11 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
             mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
                                         prefetch=cfg.prefetch and state.step + 1 < total_steps)
-            loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead)
+            loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead,
+                                                   graphed)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=graphed is None)  # zeroed in place where graphs add into them
             scheduler.step()
             state.step += 1
             state.step_in_epoch += 1
@@ -494,20 +504,24 @@ def _step_batches(plan: list[list[int]], step_in_epoch: int, grad_accum: int, di
 
 def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
                 layer_ids: list[int], device: torch.device, autocast, dist: distributed.Dist,
-                ahead: list[list[int] | None]) -> tuple[float, list[float], int]:
+                ahead: list[list[int] | None], graphed: GraphedTTT | None = None) -> tuple[float, list[float], int]:
     """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP
     syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
     `ahead[i]`: a batch a BatchSource prefetches once batch i is in hand, so its prefill overlaps batch i's step.
+    `graphed`: each batch's forward and backward replayed from its shape's CUDA graph (one process).
     Returns (loss averaged over all ranks' batches, this rank's per-TTT-step losses, tokens over all ranks)."""
     losses, step_losses, tokens = [], [], 0
     for i, indices in enumerate(batches):
         batch = load_batch(source, indices, layer_ids, device)
         if ahead[i] is not None and isinstance(source, BatchSource):
             source.prefetch(ahead[i])
-        with dist.no_sync(model, last=i == len(batches) - 1):
-            with autocast:
-                loss, stats, _, _ = model(*batch_tensors(batch))
-            (loss / len(batches)).backward()
+        if graphed is not None:  # adds (loss / grad_accum)'s gradients, as the backward below does
+            loss, stats = graphed(batch, autocast)
+        else:
+            with dist.no_sync(model, last=i == len(batches) - 1):
+                with autocast:
+                    loss, stats, _, _ = model(*batch_tensors(batch))
+                (loss / len(batches)).backward()
         fault_point("train-batch")  # HSTAP_FAULT=train-batch:N: killed mid-step (gradients made, not applied)
         losses.append(loss.detach())
         step_losses.append(stats[0])

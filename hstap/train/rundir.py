@@ -48,6 +48,8 @@ def preflight(cfg: TrainConfig) -> None:
     if cfg.online:
         check_loss_on(cfg.loss_on, cfg.loops, "--loops cut")
     check_device(cfg.device)
+    if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
+        raise HstapError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda, not {cfg.device}")
     check_out_dir(cfg.out)
     check_run_dir(Path(cfg.out), cfg.resume, cfg.overwrite)
     layers = int(model_config(cfg.model)["num_hidden_layers"])  # names a missing model directory now

@@ -1,0 +1,123 @@
+"""The drafter's forward and backward for one batch, replayed from a CUDA graph instead of launched op by op.
+
+A TTT step is a few hundred small kernels per unroll step; on an H200 the host cannot launch them as fast as the
+device runs them (2026-12-04, bench/train_throughput.py --graph both: the 8B drafter at 2,048 positions 94 → 75 ms
+a step, the SmolLM2 drafter at 8 × 2,048 68 → 44 ms). Captured once per batch shape and replayed, a step costs
+the host one launch.
+
+    graphed = GraphedTTT(model, grad_scale=1 / grad_accum)
+    loss, stats = graphed(batch, autocast)   # gradients added into p.grad, as loss.backward() would
+
+What a replay needs, and how it is kept:
+- static shapes: a batch is right-padded to a length bucket (`bucket_length`: 1/8 more positions at most, or 63), with
+  the padding `collate` uses (not valid, not counted: the loss, statistics and gradients are the unpadded
+  batch's up to summation order — causal attention never looks right); one graph per (rows, bucket);
+- static gradients: every trainable parameter keeps one `.grad` tensor the graphs add into, so the optimizer
+  zeroes them in place (`zero_grad(set_to_none=False)`), never frees them;
+- warm-ups before each capture (compiles, autotuning and the allocator happen outside it), with the gradients
+  saved and restored around them so the warm-ups train nothing;
+- one memory pool shared by every shape's graph: they replay one at a time and their outputs are copied out at
+  once, so they can share their intermediates' memory.
+One process only: DDP's all-reduce hooks are not captured (hstap train refuses --cuda-graphs with several ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+
+from hstap.train.ttt import TTTBatch, batch_tensors
+
+MAX_GRAPHS = 64  # batch shapes captured; past this, new shapes run eagerly (said once)
+WARMUPS = 2
+
+
+def bucket_length(length: int) -> int:
+    """`length` rounded up to a multiple of 1/8 of its power of two, at least of 64: few distinct shapes to capture
+    (40 up to 8,192 positions), at most 1/8 more positions from 512 on and under 64 more below."""
+    step = max(64, 1 << max(0, length.bit_length() - 4))
+    return -(-length // step) * step
+
+
+def pad_batch(batch: TTTBatch, length: int) -> TTTBatch:
+    """Right-pad every field to `length` positions as `collate` pads (zeros, False, −inf log-probs)."""
+    extra = length - batch.input_ids.shape[1]
+    if extra == 0:
+        return batch
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, extra), value=value)
+
+    return dataclasses.replace(batch, aux=pad(batch.aux, 0.0), input_ids=pad(batch.input_ids, 0),
+                               loss_mask=pad(batch.loss_mask, False), valid=pad(batch.valid, False),
+                               topk_ids=pad(batch.topk_ids, 0), topk_logprobs=pad(batch.topk_logprobs, -float("inf")))
+
+
+class _Captured:
+    """One batch shape: the static inputs the graph reads, the graph, and its static outputs."""
+
+    def __init__(self, inputs: list[torch.Tensor]):
+        self.inputs = inputs
+        self.graph = torch.cuda.CUDAGraph()
+        self.loss: torch.Tensor | None = None
+        self.stats: torch.Tensor | None = None
+
+
+class GraphedTTT:
+    """`model` (a TTTModel) forward + `(loss * grad_scale).backward()` per batch, from one CUDA graph per batch
+    shape. Returns (loss, stats) as fresh tensors, like the eager step's `loss.detach()` and stats."""
+
+    def __init__(self, model: torch.nn.Module, grad_scale: float = 1.0):
+        self.model, self.grad_scale = model, grad_scale
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs: dict[tuple, _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.said_full = False
+
+    def __call__(self, batch: TTTBatch, autocast: AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = pad_batch(batch, bucket_length(batch.input_ids.shape[1]))
+        key = tuple((t.shape, t.dtype) for t in batch_tensors(batch))
+        captured = self.graphs.get(key)
+        if captured is None:
+            if len(self.graphs) >= MAX_GRAPHS:
+                if not self.said_full:
+                    print(f"hstap train: {MAX_GRAPHS} batch shapes captured as CUDA graphs; new shapes run eagerly")
+                    self.said_full = True
+                return self._eager(batch_tensors(batch), autocast)
+            captured = self.graphs[key] = self._capture(batch, autocast)
+        for static, fresh in zip(captured.inputs, batch_tensors(batch)):
+            static.copy_(fresh, non_blocking=True)
+        captured.graph.replay()
+        return captured.loss.clone(), captured.stats.clone()
+
+    def _eager(self, tensors, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast:
+            loss, stats = self.model(*tensors)[:2]
+        (loss * self.grad_scale).backward()
+        return loss.detach(), stats
+
+    def _capture(self, batch: TTTBatch, autocast) -> _Captured:
+        for p in self.params:  # the graphs add into these; the optimizer zeroes them in place
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        captured = _Captured([t.clone() for t in batch_tensors(batch)])
+        kept = [p.grad.clone() for p in self.params]  # the warm-ups' gradients are thrown away
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUPS):
+                self._eager(captured.inputs, autocast)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for p, g in zip(self.params, kept):
+                p.grad.copy_(g)
+        del kept
+        with torch.cuda.graph(captured.graph, pool=self.pool):
+            with autocast:
+                loss, stats = self.model(*captured.inputs)[:2]
+            (loss * self.grad_scale).backward()
+            captured.loss, captured.stats = loss.detach(), stats
+        return captured

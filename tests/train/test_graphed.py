@@ -1,0 +1,97 @@
+"""CUDA-graphed training steps (hstap.train.graphed): the length buckets, the padding that makes a batch fit one
+(exact: the loss, statistics and gradients of the unpadded batch), and on CUDA the replayed step equal to the
+eager one, gradients accumulated as backward() accumulates them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstap.errors import HstapError
+from hstap.train.graphed import bucket_length, pad_batch
+from hstap.train.ttt import TTTBatch, TTTModel, batch_tensors, ttt_forward
+from tests.train.test_attention import FP32, _tiny_drafter
+
+
+def _batch(b: int, s: int, lengths: list[int], seed: int = 0) -> TTTBatch:
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.arange(s)[None] < torch.tensor(lengths)[:, None]  # right padding, as collate pads
+    return TTTBatch(aux=torch.randn(b, s, 96, generator=gen) * valid[..., None],
+                    input_ids=torch.randint(0, 50, (b, s), generator=gen) * valid,
+                    loss_mask=(torch.rand(b, s, generator=gen) < 0.7) & valid, valid=valid,
+                    topk_ids=torch.randint(0, 50, (b, s, 6), generator=gen) * valid[..., None],
+                    topk_logprobs=torch.log_softmax(torch.randn(b, s, 6, generator=gen), -1).masked_fill(
+                        ~valid[..., None], float("-inf")))
+
+
+def test_buckets_cost_at_most_an_eighth_more_positions_and_few_shapes():
+    assert [bucket_length(n) for n in (1, 64, 65, 200, 1000, 1024, 1025, 2048, 2049, 8000)] == \
+        [64, 64, 128, 256, 1024, 1024, 1152, 2048, 2304, 8192]
+    for n in range(1, 16385):  # 1/8 more from 512 positions on, under 64 more below
+        assert n <= bucket_length(n) <= max(n * 1.125, n + 63)
+    assert len({bucket_length(n) for n in range(1, 8193)}) == 40  # shapes a run up to 8,192 positions can capture
+
+
+def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
+    """Padding to the bucket adds positions that are not valid and not counted; causal attention never looks
+    right, so the loss, the per-step statistics and every gradient are the batch's own (fp32 summation order)."""
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
+    batch = _batch(3, 21, [21, 15, 9])
+    padded = pad_batch(batch, bucket_length(21))
+    assert padded.input_ids.shape == (3, 64) and padded.topk_logprobs[0, 21:].eq(-float("inf")).all()
+    assert not padded.valid[:, 21:].any() and not padded.loss_mask[:, 21:].any()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for b in (batch, padded):
+        out = ttt_forward(drafter, b, t2d_ids, steps=4, decay=0.8)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.loss, params))
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, **FP32)
+    torch.testing.assert_close(outs[1].stats, outs[0].stats, **FP32)
+    assert torch.equal(outs[1].run_lengths[:, :21], outs[0].run_lengths)
+    for g, g0 in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g, g0, **FP32)
+    assert pad_batch(padded, 64) is padded
+
+
+def test_cuda_graphs_are_refused_off_cuda_in_one_line(tmp_path):
+    from hstap.train.config import TrainConfig
+    from hstap.train.rundir import preflight
+
+    cfg = TrainConfig(online=True, data="sharegpt", out=tmp_path / "run", cuda_graphs=True, device="cpu")
+    with pytest.raises(HstapError, match="--cuda-graphs replays CUDA graphs: it needs --device cuda, not cpu") as err:
+        preflight(cfg)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replayed_steps_equal_eager_steps_and_accumulate_like_backward():
+    """Two shapes, each replayed twice, gradients added up across the four batches (as --grad-accum adds them):
+    equal to the eager forward and backward of the same batches under the same autocast, and the warm-ups
+    before each capture train nothing."""
+    from hstap.train.graphed import GraphedTTT
+    from hstap.train.ttt import autocast
+
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
+    drafter = drafter.cuda()
+    model = TTTModel(drafter, t2d_ids.cuda(), steps=3, decay=0.8)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    batches = [_batch(2, s, [s, s - 3], seed=k).to("cuda") for k, s in enumerate((30, 100, 31, 97))]
+    device = torch.device("cuda")
+    eager_losses = []
+    for batch in batches:  # at the bucket's length, as the graph runs it (padding is exact: the CPU test above)
+        with autocast(device):
+            loss = model(*batch_tensors(pad_batch(batch, bucket_length(batch.input_ids.shape[1]))))[0]
+        (loss / 4).backward()
+        eager_losses.append(loss.detach())
+    eager_grads = [p.grad.clone() for p in params]
+    drafter.zero_grad(set_to_none=True)
+    graphed = GraphedTTT(model, grad_scale=1 / 4)
+    losses = [graphed(batch, autocast(device))[0] for batch in batches]
+    assert len(graphed.graphs) == 2  # lengths 30/31 share the 64 bucket, 97/100 the 128 one
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-6)
+    for p, g in zip(params, eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
