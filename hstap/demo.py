@@ -58,7 +58,7 @@ PRESETS = {
                   calib_tokens=32),
     # the whole path in about a minute, for the smoke test (tests/test_demo.py); proves wiring, not quality
     "smoke": Preset(prompts=6, prompt_chars=300, new_tokens=16, synth_batch=6, max_tokens=128, epochs=1,
-                    ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=2,
+                    ttt_steps=2, draft_vocab=512, lr=3e-3, batch_tokens=1024, eval_questions=1,
                     eval_new_tokens=12, shapes={"ngram": [2], "chain": [2]}, device="cpu"),
     # one H200: every ShareGPT prompt regenerated, online training fitted into 7 minutes (a store of these states
     # would be ~30 GB and cost more to write and read than the target's prefill costs to redo every epoch). Answers
