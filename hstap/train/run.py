@@ -285,6 +285,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     rundir.preflight(cfg)  # no model, no process group yet: bad flags and a run directory in use fail at once
     dist = distributed.setup(cfg.device)
     device = dist.device
+    if cfg.cuda_graphs and dist.world_size > 1:  # before the target loads
+        raise HstapError(f"--cuda-graphs runs in one process; this run has {dist.world_size} ranks (DDP's "
+                         "all-reduce is not captured): drop --cuda-graphs or run one process")
     # the target sits on the device when it prefills (online) or decodes the calibration prompts (rank 0)
     on_device = cfg.online or (cfg.calib_prompts > 0 and cfg.heldout > 0 and dist.rank == 0)
     target = load_target(cfg.model, device=str(device) if on_device else "cpu")
@@ -320,9 +323,6 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on))
-    if cfg.cuda_graphs and dist.world_size > 1:
-        raise HstapError(f"--cuda-graphs runs in one process; this run has {dist.world_size} ranks (DDP's "
-                         "all-reduce is not captured): drop --cuda-graphs or run one process")
     graphed = GraphedTTT(model, 1 / cfg.grad_accum) if cfg.cuda_graphs else None
 
     out = Path(cfg.out)
