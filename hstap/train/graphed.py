@@ -17,7 +17,8 @@ What a replay needs, and how it is kept:
 - warm-ups before each capture (compiles, autotuning and the allocator happen outside it), with the gradients
   saved and restored around them so the warm-ups train nothing;
 - one memory pool shared by every shape's graph: they replay one at a time and their outputs are copied out at
-  once, so they can share their intermediates' memory.
+  once, so they can share their intermediates' memory. Each shape keeps its own static inputs (the aux states
+  dominate: 2 B × 3 layers × hidden per position, ~0.4 GB a shape for an 8B target at 16k tokens a batch).
 One process only: DDP's all-reduce hooks are not captured (hstap train refuses --cuda-graphs with several ranks).
 """
 
