@@ -61,7 +61,7 @@ def sync_for(device: torch.device):
 
 
 def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, drafter: Eagle3Drafter,
-              ttt_steps: int, device: torch.device) -> dict:
+              ttt_steps: int, device: torch.device, batch_tokens: int | None = None) -> dict:
     """ms per full training step and per batch alone, over batches[warmup:-1], for one path. The last batch is
     only prefetched (by the last timed step, as in steady state), never trained on."""
     source = sources["capture" if path == "capture" else "device"]
@@ -70,12 +70,13 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     prefetch = "prefetch" in path
-    graphed = GraphedTTT(model) if "graphs" in path else None
+    graphed = GraphedTTT(model, batch_tokens=batch_tokens) if "graphs" in path else None  # padded as the trainer pads
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start, timed = 0.0, batches[warmup:-1]
-    # with graphs, every batch shape is captured in an untimed first pass: a run replays the shapes of its first
-    # steps for the rest of its epochs, and the timed steps measure that steady state
+    # with graphs, every length bucket is captured in an untimed first pass: a run replays the graphs of its first
+    # steps for the rest of its epochs, and the timed steps measure that steady state (tokens/s counts real tokens,
+    # so the padding to the bucket's shape is paid for)
     order = (batches[:-1] if graphed else []) + batches[:-1]
     first_timed = len(order) - len(timed)
     for i, indices in enumerate(order):
@@ -156,7 +157,7 @@ def main() -> None:
             raise SystemExit(f"only {len(plan)} batches of {batch_tokens} tokens: raise --limit")
         base = None
         for path in args.paths.split(","):
-            row = time_path(path, sources, batches, args.warmup, drafter, args.ttt_steps, device)
+            row = time_path(path, sources, batches, args.warmup, drafter, args.ttt_steps, device, batch_tokens)
             base = base or row["tokens_per_s"]
             print(f"| {batch_tokens} | {path} | {row['tokens']:.0f} | {row['batch_ms']:.1f} | {row['step_ms']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {row['tokens_per_s'] / base:.2f}x | {row['peak_gib']:.1f} |",

@@ -93,9 +93,10 @@ class TrainConfig(BaseModel):
         "bf16", "(online) the tapped states as a store of this dtype hands them to the trainer: fp8 rounds them "
         "through e4m3 with one scale per token and layer on the device, with the store's own quantiser and reader "
         "(an fp8-vs-bf16 A/B on the same data without writing two stores)")
-    cuda_graphs: bool = option(False, "(CUDA, one process) replay each batch shape's drafter forward and backward "
-                                      "from a CUDA graph: the step without its host launch cost (batches padded "
-                                      "to length buckets: 1/8 longer at most, or 63 positions)")
+    cuda_graphs: bool = option(False, "(CUDA, one process) replay the drafter's forward and backward from a CUDA "
+                                      "graph per length bucket: the step without its host launch cost, for a "
+                                      "tenth more positions computed (each bucket's batches padded to one shape); "
+                                      "pays where the step is host-bound (small drafters, short sequences)")
     prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
                                    "trains on this one")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "

@@ -9,9 +9,10 @@ the host one launch.
     loss, stats = graphed(batch, autocast)   # gradients added into p.grad, as loss.backward() would
 
 What a replay needs, and how it is kept:
-- static shapes: a batch is right-padded to a length bucket (`bucket_length`: 1/8 more positions at most, or 63), with
-  the padding `collate` uses (not valid, not counted: the loss, statistics and gradients are the unpadded
-  batch's up to summation order — causal attention never looks right); one graph per (rows, bucket);
+- static shapes: a batch is right-padded to a length bucket (`bucket_length`: 1/8 more positions at most, or 63)
+  and, in the trainer, to the rows a batch of that bucket may hold (`graph_shape`), with the padding `collate`
+  uses (not valid, not counted: the loss, statistics and gradients are the unpadded batch's up to summation
+  order — causal attention never looks right, and padded rows count nothing); one graph per length bucket;
 - static gradients: every trainable parameter keeps one `.grad` tensor the graphs add into, so the optimizer
   zeroes them in place (`zero_grad(set_to_none=False)`), never frees them;
 - warm-ups before each capture (compiles, autotuning and the allocator happen outside it), with the gradients
@@ -25,6 +26,7 @@ One process only: DDP's all-reduce hooks are not captured (hstap train refuses -
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import AbstractContextManager
 
 import torch
@@ -43,14 +45,35 @@ def bucket_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def pad_batch(batch: TTTBatch, length: int) -> TTTBatch:
-    """Right-pad every field to `length` positions as `collate` pads (zeros, False, −inf log-probs)."""
+@functools.cache
+def _shortest_in_bucket(bucket: int) -> int:
+    n = bucket
+    while n > 1 and bucket_length(n - 1) == bucket:
+        n -= 1
+    return n
+
+
+def graph_shape(rows: int, length: int, batch_tokens: int | None) -> tuple[int, int]:
+    """The (rows, positions) a batch of `rows` × `length` is padded to. Positions: `bucket_length`. Rows, given the
+    trainer's `batch_tokens`: as many as a batch of the bucket's shortest length may hold (`plan_batches` cuts a
+    batch where rows × longest would pass `batch_tokens`), so every batch of a bucket — the short last batch of
+    each sorting window too — shares one graph; without it (fixed shapes, the benches), the batch's own."""
+    padded = bucket_length(length)
+    if batch_tokens is None:
+        return rows, padded
+    return max(rows, batch_tokens // _shortest_in_bucket(padded), 1), padded
+
+
+def pad_batch(batch: TTTBatch, length: int, rows: int | None = None) -> TTTBatch:
+    """Right-pad every field to `length` positions, and with `rows` add rows of padding only, as `collate` pads
+    (zeros, False, −inf log-probs): not valid, never counted."""
     extra = length - batch.input_ids.shape[1]
-    if extra == 0:
+    more = (rows or batch.input_ids.shape[0]) - batch.input_ids.shape[0]
+    if extra == 0 and more == 0:
         return batch
 
     def pad(t: torch.Tensor, value) -> torch.Tensor:
-        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, extra), value=value)
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, extra, 0, more), value=value)
 
     return dataclasses.replace(batch, aux=pad(batch.aux, 0.0), input_ids=pad(batch.input_ids, 0),
                                loss_mask=pad(batch.loss_mask, False), valid=pad(batch.valid, False),
@@ -71,15 +94,16 @@ class GraphedTTT:
     """`model` (a TTTModel) forward + `(loss * grad_scale).backward()` per batch, from one CUDA graph per batch
     shape. Returns (loss, stats) as fresh tensors, like the eager step's `loss.detach()` and stats."""
 
-    def __init__(self, model: torch.nn.Module, grad_scale: float = 1.0):
-        self.model, self.grad_scale = model, grad_scale
+    def __init__(self, model: torch.nn.Module, grad_scale: float = 1.0, batch_tokens: int | None = None):
+        self.model, self.grad_scale, self.batch_tokens = model, grad_scale, batch_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.said_full = False
 
     def __call__(self, batch: TTTBatch, autocast: AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = pad_batch(batch, bucket_length(batch.input_ids.shape[1]))
+        rows, length = graph_shape(*batch.input_ids.shape, self.batch_tokens)
+        batch = pad_batch(batch, length, rows)
         key = tuple((t.shape, t.dtype) for t in batch_tensors(batch))
         captured = self.graphs.get(key)
         if captured is None:

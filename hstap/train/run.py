@@ -323,7 +323,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on))
-    graphed = GraphedTTT(model, 1 / cfg.grad_accum) if cfg.cuda_graphs else None
+    graphed = GraphedTTT(model, 1 / cfg.grad_accum, cfg.batch_tokens) if cfg.cuda_graphs else None
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)

@@ -32,15 +32,39 @@ def test_buckets_cost_at_most_an_eighth_more_positions_and_few_shapes():
     assert len({bucket_length(n) for n in range(1, 8193)}) == 40  # shapes a run up to 8,192 positions can capture
 
 
+def test_plan_batches_of_a_run_share_one_graph_per_length_bucket():
+    """The trainer's batches (`plan_batches`: sorted windows, cut by padded tokens, a short batch at each window's
+    end) over two epochs map to one padded shape per length bucket, never more rows × positions than a batch of
+    the bucket's shortest length may hold."""
+    from hstap.train.data import plan_batches
+    from hstap.train.graphed import graph_shape
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 2048, (6000,), generator=gen).tolist()
+    shapes, own, padded = {}, 0, 0
+    for epoch in (0, 1):
+        for batch in plan_batches(list(range(6000)), lengths, 16384, seed=0, epoch=epoch):
+            longest = max(lengths[i] for i in batch)
+            rows, length = graph_shape(len(batch), longest, 16384)
+            assert rows >= len(batch) and length >= longest
+            shapes.setdefault(length, set()).add(rows)
+            own, padded = own + len(batch) * longest, padded + rows * length
+    assert all(len(rows) == 1 for rows in shapes.values()), shapes
+    assert len(shapes) <= len({bucket_length(n) for n in range(8, 2048)})
+    assert padded <= 1.15 * own  # what a graph computes beyond the eager batch: measured 1.10x here
+    assert graph_shape(3, 21, None) == (3, 64)  # without a token budget (fixed shapes): the batch's own rows
+
+
 def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
-    """Padding to the bucket adds positions that are not valid and not counted; causal attention never looks
-    right, so the loss, the per-step statistics and every gradient are the batch's own (fp32 summation order)."""
+    """Padding to the bucket adds positions and rows that are not valid and not counted; causal attention never
+    looks right, so the loss, the per-step statistics and every gradient are the batch's own (fp32 summation
+    order)."""
     torch.manual_seed(0)
     drafter, t2d_ids = _tiny_drafter()
     batch = _batch(3, 21, [21, 15, 9])
-    padded = pad_batch(batch, bucket_length(21))
-    assert padded.input_ids.shape == (3, 64) and padded.topk_logprobs[0, 21:].eq(-float("inf")).all()
-    assert not padded.valid[:, 21:].any() and not padded.loss_mask[:, 21:].any()
+    padded = pad_batch(batch, bucket_length(21), rows=5)
+    assert padded.input_ids.shape == (5, 64) and padded.topk_logprobs[0, 21:].eq(-float("inf")).all()
+    assert not padded.valid[:, 21:].any() and not padded.loss_mask[:, 21:].any() and not padded.valid[3:].any()
     params = [p for p in drafter.parameters() if p.requires_grad]
     outs, grads = [], []
     for b in (batch, padded):
@@ -49,10 +73,10 @@ def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
         grads.append(torch.autograd.grad(out.loss, params))
     torch.testing.assert_close(outs[1].loss, outs[0].loss, **FP32)
     torch.testing.assert_close(outs[1].stats, outs[0].stats, **FP32)
-    assert torch.equal(outs[1].run_lengths[:, :21], outs[0].run_lengths)
+    assert torch.equal(outs[1].run_lengths[:3, :21], outs[0].run_lengths)
     for g, g0 in zip(grads[1], grads[0]):
         torch.testing.assert_close(g, g0, **FP32)
-    assert pad_batch(padded, 64) is padded
+    assert pad_batch(padded, 64) is padded and pad_batch(padded, 64, 5) is padded
 
 
 def test_cuda_graphs_are_refused_off_cuda_in_one_line(tmp_path):
