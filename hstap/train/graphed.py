@@ -2,10 +2,10 @@
 
 A TTT step is a few hundred small kernels per unroll step; on an H200 the host cannot launch them as fast as the
 device runs them (2026-12-04, bench/train_throughput.py --graph both: the 8B drafter at 2,048 positions 94 → 75 ms
-a step, the SmolLM2 drafter at 8 × 2,048 68 → 44 ms). Captured once per batch shape and replayed, a step costs
-the host one launch.
+a step, the SmolLM2 drafter at 8 × 2,048 68 → 44 ms). Captured once per length bucket and replayed, a step
+costs the host one launch.
 
-    graphed = GraphedTTT(model, grad_scale=1 / grad_accum)
+    graphed = GraphedTTT(model, grad_scale=1 / grad_accum, batch_tokens=cfg.batch_tokens)
     loss, stats = graphed(batch, autocast)   # gradients added into p.grad, as loss.backward() would
 
 What a replay needs, and how it is kept:
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hstap.train.ttt import TTTBatch, batch_tensors
 
-MAX_GRAPHS = 64  # batch shapes captured; past this, new shapes run eagerly (said once)
+MAX_GRAPHS = 64  # shapes captured (40 buckets reach 8,192 positions); past this, new ones run eagerly
 WARMUPS = 2
 
 
