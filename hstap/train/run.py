@@ -235,7 +235,7 @@ def seconds_per_step(model: torch.nn.Module, source: SampleSource | BatchSource,
             sync()
             timed_from = time.perf_counter()
         batch = load_batch(source, indices, layer_ids, device)
-        if graphed is not None:
+        if graphed is not None:  # a length bucket first met here is captured here: the run's refits correct for it
             graphed(batch, autocast)
         else:
             with autocast:
