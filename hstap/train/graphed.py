@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
 
+from hstap.errors import first_line
 from hstap.train.ttt import TTTBatch, batch_tensors
 
 MAX_GRAPHS = 64  # shapes captured (40 buckets reach 8,192 positions); past this, new ones run eagerly
@@ -85,34 +87,48 @@ class _Captured:
 
     def __init__(self, inputs: list[torch.Tensor]):
         self.inputs = inputs
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.loss: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
 
 
 class GraphedTTT:
-    """`model` (a TTTModel) forward + `(loss * grad_scale).backward()` per batch, from one CUDA graph per batch
-    shape. Returns (loss, stats) as fresh tensors, like the eager step's `loss.detach()` and stats."""
+    """`model` (a TTTModel) forward + `(loss * grad_scale).backward()` per batch, from one CUDA graph per length
+    bucket. Returns (loss, stats) as fresh tensors, like the eager step's `loss.detach()` and stats. A step that
+    cannot be captured costs speed, never the run: the failure is said once on stderr and every later batch runs
+    eagerly (its gradients added in the same place)."""
 
     def __init__(self, model: torch.nn.Module, grad_scale: float = 1.0, batch_tokens: int | None = None):
         self.model, self.grad_scale, self.batch_tokens = model, grad_scale, batch_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: dict[tuple, _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # one memory pool for every graph, made at the first capture
+        self.failure = ""  # the first capture error's first line, once one happened
         self.said_full = False
 
     def __call__(self, batch: TTTBatch, autocast: AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.failure:
+            return self._eager(batch_tensors(batch), autocast)
         rows, length = graph_shape(*batch.input_ids.shape, self.batch_tokens)
-        batch = pad_batch(batch, length, rows)
-        key = tuple((t.shape, t.dtype) for t in batch_tensors(batch))
+        padded = pad_batch(batch, length, rows)
+        key = tuple((t.shape, t.dtype) for t in batch_tensors(padded))
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= MAX_GRAPHS:
                 if not self.said_full:
-                    print(f"hstap train: {MAX_GRAPHS} batch shapes captured as CUDA graphs; new shapes run eagerly")
+                    print(f"hstap train: {MAX_GRAPHS} batch shapes captured as CUDA graphs; new shapes run eagerly",
+                          file=sys.stderr)
                     self.said_full = True
                 return self._eager(batch_tensors(batch), autocast)
-            captured = self.graphs[key] = self._capture(batch, autocast)
+            try:
+                captured = self._capture(padded, autocast)
+            except Exception as e:  # noqa: BLE001 — a capture that fails must not end a training run: say so, go on
+                self.failure = first_line(e)
+                print(f"hstap train: capturing the training step as a CUDA graph failed ({self.failure}); "
+                      "continuing without CUDA graphs", file=sys.stderr)
+                return self._eager(batch_tensors(batch), autocast)
+            self.graphs[key] = captured
+        batch = padded
         for static, fresh in zip(captured.inputs, batch_tensors(batch)):
             static.copy_(fresh, non_blocking=True)
         captured.graph.replay()
@@ -130,17 +146,22 @@ class GraphedTTT:
                 p.grad = torch.zeros_like(p)
         captured = _Captured([t.clone() for t in batch_tensors(batch)])
         kept = [p.grad.clone() for p in self.params]  # the warm-ups' gradients are thrown away
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUPS):
-                self._eager(captured.inputs, autocast)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():
-            for p, g in zip(self.params, kept):
-                p.grad.copy_(g)
-        del kept
-        with torch.cuda.graph(captured.graph, pool=self.pool):
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUPS):
+                    self._eager(captured.inputs, autocast)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:  # a failed warm-up leaves the gradients as the batches before it made them, too
+            with torch.no_grad():
+                for p, g in zip(self.params, kept):
+                    p.grad.copy_(g)
+            del kept
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        captured.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured.graph, pool=self.pool):  # records only: nothing runs, no gradient changes
             with autocast:
                 loss, stats = self.model(*captured.inputs)[:2]
             (loss * self.grad_scale).backward()

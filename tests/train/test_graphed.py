@@ -4,6 +4,8 @@ eager one, gradients accumulated as backward() accumulates them."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -77,6 +79,35 @@ def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
     for g, g0 in zip(grads[1], grads[0]):
         torch.testing.assert_close(g, g0, **FP32)
     assert pad_batch(padded, 64) is padded and pad_batch(padded, 64, 5) is padded
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_so_once(capsys):
+    """Here the capture fails for real (no CUDA on this machine): the batches run eagerly, unpadded, with the
+    eager step's losses and gradients (added into p.grad as backward adds them, scaled as --grad-accum scales), one
+    stderr line, and no second attempt."""
+    from hstap.train.graphed import GraphedTTT
+
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
+    model = TTTModel(drafter, t2d_ids, steps=3, decay=0.8)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    batches = [_batch(2, 30, [30, 27], seed=0), _batch(3, 40, [40, 33, 12], seed=1)]
+    eager_losses = []
+    for batch in batches:
+        loss = model(*batch_tensors(batch))[0]
+        (loss / 2).backward()
+        eager_losses.append(loss.detach())
+    eager_grads = [p.grad.clone() for p in params]
+    drafter.zero_grad(set_to_none=True)
+    graphed = GraphedTTT(model, grad_scale=1 / 2, batch_tokens=1024)
+    losses = [graphed(batch, contextlib.nullcontext())[0] for batch in batches]
+    assert graphed.failure and not graphed.graphs
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    for p, g in zip(params, eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hstap train: capturing the training step as a CUDA graph failed ({graphed.failure}); continuing "
+                   "without CUDA graphs"]
 
 
 def test_cuda_graphs_are_refused_off_cuda_in_one_line(tmp_path):
