@@ -98,7 +98,7 @@ PROMPTS=${PROMPTS:-20000}
 GPU_TESTS="tests/train/test_attention.py tests/train/test_loss.py tests/drafter/test_fused.py tests/store/test_fp8.py \
   tests/capture/test_fp8.py tests/capture/test_teacher.py tests/runtime/test_engine.py tests/runtime/test_gpu.py \
   tests/runtime/test_prefill.py tests/runtime/test_graph_prefill.py tests/runtime/test_attention.py \
-  tests/capture/test_tap.py tests/test_topk.py"
+  tests/capture/test_tap.py tests/test_topk.py tests/train/test_graphed.py"
 
 data_out() {  # prompts + answers, xz-compressed, in 15 MB parts: they travel back once (status moves them)
   mkdir -p "$RUN/pack" && rm -f "$RUN"/pack/*
@@ -527,9 +527,10 @@ phase_graphs() {  # issue 15's CUDA-graphed trainer step (hstap train --cuda-gra
     --batch 1 --seq 2048 --steps 8 --graph both --json  # at 8,192 the step is device-bound (graphs: 285 = 285 ms)
   step g0_throughput_graph_smollm2 timeout 120 $PY bench/train_throughput.py --device cuda --shape smollm2 \
     --draft-vocab 16384 --batch 8 --seq 2048 --steps 10 --graph both --json
-  step g0_graphed_test timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphed.py
   bundle
   wait_assets
+  step g0_graphed_test timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphed.py  # the
+  # trainer's test needs the model (the small store)
   step g1_online_graphs timeout 300 $PY bench/train_online.py --device cuda --batch-tokens 16384 --limit 3000 \
     --paths device,device+graphs,device+prefetch,device+prefetch+graphs --steps 12 --warmup 3 --json
   bundle
