@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if "graphs" in args.paths and device.type != "cuda":
+        ap.error("--paths ...+graphs: CUDA graphs need --device cuda")
     target = load_target("smollm2", device=args.device)
     samples = render_all("sharegpt", target.tokenizer, SkipReport(), max_tokens=args.max_tokens, limit=args.limit)
     sources = {"capture": OnlineSource(target, samples, LAYERS, device=args.device),
