@@ -526,7 +526,7 @@ phase_graphs() {  # issue 15's CUDA-graphed trainer step (hstap train --cuda-gra
   step g0_throughput_graph timeout 200 $PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 \
     --batch 1 --seq 2048 --steps 8 --graph both --json --profile 60  # at 8,192 the step is device-bound (graphs:
   # 285 = 285 ms); the profile (of the plain step: the same kernels) names the fused chains' kernels one by one
-  step g0_throughput_graph_smollm2 timeout 120 $PY bench/train_throughput.py --device cuda --shape smollm2 \
+  step g0_throughput_graph_smollm2 timeout 180 $PY bench/train_throughput.py --device cuda --shape smollm2 \
     --draft-vocab 16384 --batch 8 --seq 2048 --steps 10 --graph both --json
   bundle
   wait_assets
