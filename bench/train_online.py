@@ -77,13 +77,13 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
     # with graphs, every length bucket is captured in an untimed first pass: a run replays the graphs of its first
     # steps for the rest of its epochs, and the timed steps measure that steady state (tokens/s counts real tokens,
     # so the padding to the bucket's shape is paid for)
-    order = (batches[:-1] if graphed else []) + batches[:-1]
-    first_timed = len(order) - len(timed)
-    for i, indices in enumerate(order):
+    order = (batches[:-1] if graphed else []) + batches  # the last batch is only ever prefetched
+    first_timed = len(order) - 1 - len(timed)
+    for i, indices in enumerate(order[:-1]):
         if i == first_timed:
             sync()
             start = time.perf_counter()
-        ahead = order[i + 1] if prefetch and i + 1 < len(order) else batches[-1] if prefetch else None
+        ahead = order[i + 1] if prefetch else None
         accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead], graphed)
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()

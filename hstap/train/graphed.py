@@ -128,8 +128,7 @@ class GraphedTTT:
                       "continuing without CUDA graphs", file=sys.stderr)
                 return self._eager(batch_tensors(batch), autocast)
             self.graphs[key] = captured
-        batch = padded
-        for static, fresh in zip(captured.inputs, batch_tensors(batch)):
+        for static, fresh in zip(captured.inputs, batch_tensors(padded)):
             static.copy_(fresh, non_blocking=True)
         captured.graph.replay()
         return captured.loss.clone(), captured.stats.clone()
