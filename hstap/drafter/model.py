@@ -98,8 +98,7 @@ class MLP(nn.Module):
         """`gate_up`: gate and up's weights stacked (`Eagle3Drafter.stacked_weights`): one matmul instead of two."""
         if gate_up is None:
             return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return self.down_proj(fused.silu_mul(gate, up))
+        return self.down_proj(fused.swiglu(F.linear(x, gate_up)))
 
 
 class MidLayer(nn.Module):
@@ -175,7 +174,12 @@ class Eagle3Drafter(nn.Module):
         return grown.to(self.lm_head.weight.device, self.lm_head.weight.dtype)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """(B, S, n_aux*H_target) concatenated target layers → (B, S, H)."""
+        """(B, S, n_aux*H_target) concatenated target layers → (B, S, H). Under autocast the states go in as they
+        are (the matmul casts them to its dtype): bf16 states were cast up to the fp32 master weight's dtype and
+        straight back down, two passes over the step's widest input."""
+        device = aux.device.type
+        if torch.is_autocast_enabled(device):
+            return self.fc(aux)
         return self.fc(aux.to(self.fc.weight.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -201,8 +205,10 @@ class Eagle3Drafter(nn.Module):
         as two matmuls instead of five (fewer, larger GEMMs and a fifth of the launches; under autocast one cast
         of the stack a step instead of one per weight per use)."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
-        return qkv, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype)
+        # each weight cast, then the casts stacked: the same numbers as stacking the fp32 master weights and casting
+        # the stack, with the concatenation moving bf16 instead of fp32 (0.7 GB less a step on the 8B shape)
+        qkv = torch.cat([w.to(dtype) for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)])
+        return qkv, torch.cat([w.to(dtype) for w in (mlp.gate_proj.weight, mlp.up_proj.weight)])
 
     # ---- persistence ---------------------------------------------------------------------------------------
 

@@ -34,15 +34,16 @@ def test_the_compiled_chains_equal_their_definitions_with_gradients(compiled_on_
     q = torch.randn(2, 3, 7, 16, generator=gen, requires_grad=True)
     cos, sin = torch.randn(2, 7, 16, generator=gen), torch.randn(2, 7, 16, generator=gen)
     gate, up = torch.randn(2, 7, 48, generator=gen, requires_grad=True), torch.randn(2, 7, 48, generator=gen)
-    got = [fused.rms_norm(x, weight, 1e-5), fused.rope(q, cos, sin), fused.silu_mul(gate, up)]
+    gate_up = torch.randn(2, 7, 96, generator=gen, requires_grad=True)
+    got = [fused.rms_norm(x, weight, 1e-5), fused.rope(q, cos, sin), fused.silu_mul(gate, up), fused.swiglu(gate_up)]
     assert fused._compiled and fused.active(), fused.failure()  # the compiled path ran, not the fallback
     half = q.shape[-1] // 2
     rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
     want = [_reference_norm(x, weight, 1e-5).float(), q * cos[:, None] + rotated * sin[:, None],
-            torch.nn.functional.silu(gate) * up]
+            torch.nn.functional.silu(gate) * up, torch.nn.functional.silu(gate_up[..., :48]) * gate_up[..., 48:]]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **FP32)
-    inputs = (x, weight, q, gate)
+    inputs = (x, weight, q, gate, gate_up)
     grads = torch.autograd.grad(sum(g.square().sum() for g in got), inputs)
     want_grads = torch.autograd.grad(sum(w.square().sum() for w in want), inputs)
     for g, w in zip(grads, want_grads):
@@ -51,17 +52,19 @@ def test_the_compiled_chains_equal_their_definitions_with_gradients(compiled_on_
 
 def test_the_drafter_modules_run_through_the_chains(compiled_on_cpu, monkeypatch):
     calls = []
-    for name in ("rms_norm", "rope", "silu_mul"):
+    for name in ("rms_norm", "rope", "silu_mul", "swiglu"):
         eager = fused._EAGER[name]
         monkeypatch.setitem(fused._EAGER, name, lambda *a, _e=eager, _n=name: calls.append(_n) or _e(*a))
     fused.enable(False)  # eager dispatch: every call lands in _EAGER, where the probe counts it
     try:
         RMSNorm(8, 1e-5)(torch.randn(2, 8))
         apply_rope(torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4))
-        MLP(8, 12)(torch.randn(2, 8))
+        mlp = MLP(8, 12)
+        mlp(torch.randn(2, 8))
+        mlp(torch.randn(2, 8), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))  # the TTT unroll's form
     finally:
         fused.enable(True)
-    assert calls == ["rms_norm", "rope", "silu_mul"]
+    assert calls == ["rms_norm", "rope", "silu_mul", "swiglu"]
 
 
 def test_a_compiler_failure_turns_the_fused_path_off_and_keeps_the_result(compiled_on_cpu, monkeypatch, capsys):
