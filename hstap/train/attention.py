@@ -27,7 +27,7 @@ from hstap.drafter import fused
 from hstap.train.attention_flash import FlashTTTAttention, diagonal_forward, flash_supported
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
-BACKENDS = ("auto", "flash", "flex", "math")
+BACKENDS = ("auto", "flash", "flex", "flexdiag", "math")
 FLEX_COMPILE_MODE: str | None = None  # torch.compile mode of the flex kernel; "max-autotune-no-cudagraphs" times
 # its block sizes on the device at the first step (bench/train_throughput.py --flex-mode compares them)
 FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 2.11: "must be at least 16")
@@ -36,7 +36,8 @@ FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 
 class TTTAttention:
     """Keys a step-k query may see: causal step-0 keys plus the diagonal keys of its own steps 1..k.
 
-    `backend`: "flex" (fused kernel, CUDA), "flash" (PyTorch's flash kernels, any device, with the whole step's
+    `backend`: "flex" (fused kernel, CUDA), "flexdiag" (one flex kernel over the step-0 and the diagonal keys
+    together, no merge: `attend_flex_diag`), "flash" (PyTorch's flash kernels, any device, with the whole step's
     backward in hstap.train.attention_flash), "math" (materialised prefix scores, any device), "auto" = flex on
     CUDA for heads of at least FLEX_MIN_HEAD_DIM, math elsewhere (`use_flex`)."""
 
@@ -54,6 +55,11 @@ class TTTAttention:
         scale = q.shape[-1] ** -0.5
         if self.backend == "flash":
             return self._flash(q, scale)
+        if self.backend == "flexdiag":
+            if q.is_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:
+                raise ValueError(f"TTT attention backend 'flexdiag': head_dim {q.shape[-1]} is below the kernel's "
+                                 f"minimum {FLEX_MIN_HEAD_DIM}; use --ttt-attention math or auto")
+            return attend_flex_diag(q, self.keys, self.values, scale)
         prefix = causal_prefix_flex if use_flex(self.backend, q.is_cuda, q.shape[-1]) else causal_prefix_math
         out, lse = prefix(q, self.keys[0], self.values[0], scale)  # (B, nh, S, hd), (B, nh, S) fp32
         if len(self.keys) == 1:
@@ -137,6 +143,53 @@ def _flex(compiled: bool, mode: str | None = None):
         return run
     return lambda q, k, v, block_mask, scale: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
                                                    return_lse=True)
+
+
+def attend_flex_diag(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """A step-k query's whole attention in one flex call: the keys (and values) of steps 0..k laid end to end, each
+    padded to the block, under a mask that lets a query at t see the step-0 keys at ≤ t and every later step's key
+    at t only. No log-sum-exp leaves the kernel and nothing is merged after it, so the backward is flex's own.
+
+    The price is the diagonal's blocks: a query block meets one partly masked key block per later step, so step k
+    computes k blocks beside the ~S/256 causal ones per query block (+35 % kernel work over a 7-step unroll at
+    2,048 positions, +9 % at 8,192), against the merge's separate kernels and the log-sum-exp gradient it replaces.
+    q (B, nh, S, hd); keys/values per step (B, nkv, S, hd) → (B, nh, S, hd)."""
+    s = q.shape[2]
+    pad = -s % BLOCK
+    if pad:  # every section padded alike: its padded keys sit at positions no real query sees
+        q = F.pad(q, (0, 0, 0, pad))
+        keys, values = [F.pad(t, (0, 0, 0, pad)) for t in keys], [F.pad(t, (0, 0, 0, pad)) for t in values]
+    k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, nkv, (k+1)·S', hd)
+    block_mask = _ttt_block_mask(s + pad, len(keys), q.device)
+    out = _flex_out(q.is_cuda, FLEX_COMPILE_MODE)(q, k_all, v_all, block_mask, scale)
+    return out[:, :, :s]
+
+
+@functools.cache  # never evicted (a CUDA graph reads it); one per padded length and number of steps
+def _ttt_block_mask(length: int, sections: int, device: torch.device):
+    """The block mask of `attend_flex_diag` over `sections` key sections of `length` each. The mask reads each
+    key's position from a tensor, −1 − position on the diagonal sections, instead of from constants, so every
+    length and step count shares one compiled kernel (a constant in the mask would be a new kernel each)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    positions = torch.arange(length, device=device, dtype=torch.int32)
+    key_pos = torch.cat([positions] + [-1 - positions] * (sections - 1))  # ((sections)·length,)
+
+    def visible(b, h, q_idx, kv_idx):
+        pos = key_pos[kv_idx]
+        return torch.where(pos >= 0, pos <= q_idx, -1 - pos == q_idx)
+
+    return create_block_mask(visible, None, None, length, sections * length, device=device)
+
+
+@functools.cache
+def _flex_out(compiled: bool, mode: str | None = None):
+    """flex attention returning its output only (the flexdiag path needs no log-sum-exp); compiled for CUDA."""
+    from torch.nn.attention import flex_attention as fa
+
+    flex = torch.compile(fa.flex_attention, mode=mode) if compiled else fa.flex_attention
+    return lambda q, k, v, block_mask, scale: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: list[torch.Tensor],

@@ -82,6 +82,17 @@ def test_flex_backend_equals_the_reference_on_the_cpu(monkeypatch):
         _check_against_reference("flex")
 
 
+def test_flexdiag_backend_equals_the_reference_on_the_cpu(monkeypatch):
+    """One flex call over the step-0 and the diagonal keys laid end to end (padded sections, the position-tensor
+    mask, grouped heads), uncompiled on the CPU as the flex test above: the reference's output and gradients."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _check_against_reference("flexdiag")
+
+
 def _check_bf16_against_fp64(backend: str, device: str = "cpu", hd: int = 16) -> None:
     """bf16: the reference itself rounds (softmax weights to bf16, the diagonal terms added in bf16), so two bf16
     implementations differ by more than bf16's step where the softmax is sharp (seen on an H200: 0.19 on outputs
@@ -113,6 +124,13 @@ def test_flex_backend_on_cuda_equals_the_reference():
     kernel's smallest)."""
     _check_against_reference("flex", "cuda", tol=dict(atol=1e-4, rtol=1e-4), hd=16)
     _check_bf16_against_fp64("flex", "cuda")
+
+
+@pytest.mark.gpu
+def test_flexdiag_backend_on_cuda_equals_the_reference():
+    """The compiled one-kernel path, as the flex test: fp32 to fp32 tolerance, bf16 held to fp64."""
+    _check_against_reference("flexdiag", "cuda", tol=dict(atol=1e-4, rtol=1e-4), hd=16)
+    _check_bf16_against_fp64("flexdiag", "cuda")
 
 
 def test_flash_backend_equals_the_reference_on_the_cpu():
@@ -154,7 +172,7 @@ def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line():
 
 
 def test_unknown_backend_names_the_valid_ones():
-    with pytest.raises(ValueError, match="auto, flash, flex, math"):
+    with pytest.raises(ValueError, match="auto, flash, flex, flexdiag, math"):
         TTTAttention(4, 2, "sdpa")
 
 
@@ -354,3 +372,16 @@ def test_flex_compile_mode_reaches_torch_compile(monkeypatch):
     finally:
         attention._flex.cache_clear()
     assert modes == ["max-autotune-no-cudagraphs", None]
+
+
+@pytest.mark.parametrize("backend", ["flex", "flexdiag"])
+def test_flex_backends_are_refused_for_training_off_cuda_in_one_line(tmp_path, backend):
+    """PyTorch's flex attention has no CPU backward: said before anything loads, not as its own error mid-run."""
+    from hstap.errors import HstapError
+    from hstap.train.config import TrainConfig
+    from hstap.train.rundir import preflight
+
+    cfg = TrainConfig(online=True, data="sharegpt", out=tmp_path / "run", ttt_attention=backend, device="cpu")
+    with pytest.raises(HstapError, match=f"--ttt-attention {backend} trains on CUDA only") as err:
+        preflight(cfg)
+    assert "\n" not in str(err.value)
