@@ -13,7 +13,8 @@ forward + backward) / step time / `--peak-tflops` (default: the H200's dense bf1
 as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 product on CUDA). `--seq` takes
 several lengths, measured one after another in one process. `--fused both` times every length with the
 drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side;
-`--attention flex flash` times each TTT attention backend in turn, in the same process. `--graph both` times each
+`--attention flex flash` times each TTT attention backend in turn, in the same process, and `--wgrad gemm autograd`
+each way of summing the steps' weight gradients (hstap.train.shared). `--graph both` times each
 length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
 hstap.train.graphed; capture and warm-ups untimed). Rank 0 prints; `--json` adds machine-readable lines.
 """
@@ -34,7 +35,7 @@ import torch
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
-from hstap.train import attention
+from hstap.train import attention, shared
 from hstap.train.flops import ttt_train_flops
 from hstap.train.graphed import GraphedTTT
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
@@ -158,7 +159,8 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
-                              "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default"}))
+                              "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
+                              "wgrad": "gemm" if shared.ENABLED else "autograd"}))
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
@@ -189,6 +191,10 @@ def main() -> None:
     ap.add_argument("--graph", default="off", choices=["off", "on", "both"],
                     help="CUDA: the forward and backward replayed from a CUDA graph, as hstap train --cuda-graphs "
                          "runs them; both = plain then graphed, per length (one process only)")
+    ap.add_argument("--wgrad", nargs="+", default=["gemm"], choices=["gemm", "autograd"],
+                    help="where the TTT steps' weight gradients are summed, each timed in turn in one process: gemm "
+                         "(inside the weight-gradient matmuls, hstap.train.shared, as hstap train runs) or autograd "
+                         "(a bf16 add per step)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -221,11 +227,13 @@ def main() -> None:
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
-    for backend, flex_mode in itertools.product(args.attention, args.flex_mode):
+    for backend, flex_mode, wgrad in itertools.product(args.attention, args.flex_mode, args.wgrad):
         ttt.attention = backend
         attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
-        if (len(args.flex_mode) > 1 or len(args.attention) > 1) and dist.rank == 0:
-            print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}")
+        shared.ENABLED = wgrad == "gemm"
+        if (len(args.flex_mode) > 1 or len(args.attention) > 1 or len(args.wgrad) > 1) and dist.rank == 0:
+            print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
+                  f"by {wgrad}")
         for seq in args.seq:
             for on, graphed in itertools.product(modes, graph_modes):
                 fused.enable(on)

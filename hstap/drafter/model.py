@@ -13,8 +13,10 @@ decoding differ only in which keys a query may see.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +31,19 @@ from hstap.drafter.vocab import draft_to_target_ids, target_to_draft_ids
 
 # (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Matmuls:
+    """The decoder layer's projections as a TTT unroll runs them, made once for all its steps
+    (`Eagle3Drafter.matmuls`; hstap.train.shared makes ones whose weight gradients add up inside the matmuls):
+    q, k and v as one matmul over their stacked weights, gate and up as another, then o and down. Each maps
+    x (..., in) → (..., out)."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -72,19 +87,19 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """`qkv`: q, k and v's weights stacked (`Eagle3Drafter.stacked_weights`): one matmul instead of three."""
+                mm: Matmuls | None = None) -> torch.Tensor:
+        """`mm`: the unroll's projections (`Matmuls`): q, k and v as one matmul instead of three."""
         b, s, _ = x.shape
-        if qkv is None:
+        if mm is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, qkv).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            q, k, v = mm.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.reshape(b, s, self.nh, self.hd).transpose(1, 2)  # (B, nh, S, hd)
         k = k.reshape(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
         v = v.reshape(b, s, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v)  # (B, nh, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nh * self.hd))
+        out = attend(q, k, v).transpose(1, 2).reshape(b, s, self.nh * self.hd)  # (B, S, nh·hd)
+        return self.o_proj(out) if mm is None else mm.o(out)
 
 
 class MLP(nn.Module):
@@ -94,11 +109,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """`gate_up`: gate and up's weights stacked (`Eagle3Drafter.stacked_weights`): one matmul instead of two."""
-        if gate_up is None:
+    def forward(self, x: torch.Tensor, mm: Matmuls | None = None) -> torch.Tensor:
+        """`mm`: the unroll's projections (`Matmuls`): gate and up as one matmul instead of two."""
+        if mm is None:
             return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(fused.swiglu(F.linear(x, gate_up)))
+        return mm.down(fused.swiglu(mm.gate_up(x)))
 
 
 class MidLayer(nn.Module):
@@ -111,11 +126,10 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: AttendFn, stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        qkv, gate_up = stacked if stacked is not None else (None, None)
+                attend: AttendFn, mm: Matmuls | None = None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
-        hidden = hidden + self.self_attn(x, cos, sin, attend, qkv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), gate_up)
+        hidden = hidden + self.self_attn(x, cos, sin, attend, mm)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), mm)
 
 
 class Eagle3Drafter(nn.Module):
@@ -190,14 +204,22 @@ class Eagle3Drafter(nn.Module):
 
     def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None,
                    attend: AttendFn, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   stacked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   mm: Matmuls | None = None) -> torch.Tensor:
         """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss.
         `rope`: the rotary (cos, sin) of `positions` (each (B or 1, S, hd)), when the caller has them already (the
-        TTT unroll slices one table for all its steps); then `positions` is not read. `stacked`:
-        `stacked_weights`, made once for all of an unroll's steps."""
+        TTT unroll slices one table for all its steps); then `positions` is not read. `mm`: the projections made
+        once for all of an unroll's steps (`matmuls`)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = rope if rope is not None else self.rotary(positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, attend, stacked)
+        return self.midlayer(embeds, hidden, cos, sin, attend, mm)
+
+    def matmuls(self, dtype: torch.dtype) -> Matmuls:
+        """The layer's projections over weights cast to `dtype` once (q/k/v and gate/up stacked,
+        `stacked_weights`), their gradients flowing back to the parameters through autograd."""
+        qkv, gate_up = self.stacked_weights(dtype)
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        o, down = attn.o_proj.weight.to(dtype), mlp.down_proj.weight.to(dtype)
+        return Matmuls(*(functools.partial(F.linear, weight=w) for w in (qkv, gate_up, o, down)))
 
     def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k, v's weights stacked (((nh + 2·nkv)·hd, 2H)) and gate, up's ((2·I, H)), in `dtype`, with their

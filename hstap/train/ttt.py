@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hstap.drafter.model import Eagle3Drafter
+from hstap.train import shared
 from hstap.train.attention import TTTAttention
 from hstap.train.loss import compute_dtype, head_cast, head_soft_cross_entropy_steps
 
@@ -163,11 +164,14 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     ids_at, probs_at = shift_windows(teacher_ids, -1, most), shift_windows(teacher_probs, 0.0, most)
     inside_at, counts_at = shift_windows(teacher_inside, False, most), shift_windows(counted & batch.valid, False, most)
     cos, sin = drafter.rotary(torch.arange(s + steps, device=hidden.device)[None], hidden.dtype)  # (1, S+steps, hd)
-    stacked = drafter.stacked_weights(compute_dtype(hidden))  # q/k/v and gate/up as two matmuls, for every step
+    # q/k/v and gate/up as two matmuls, o and down, their weights cast once for every step; their weight gradients
+    # summed inside the matmuls (hstap.train.shared) unless that is switched off
+    dtype = compute_dtype(hidden)
+    mm = shared.accumulating_matmuls(drafter, dtype) if shared.ENABLED else drafter.matmuls(dtype)
     hiddens, draft_ids, probs, weights = [], [], [], []
     for k in range(steps):
         rope = (cos[:, k: k + s], sin[:, k: k + s])  # positions t + k
-        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope, stacked=stacked)  # (B, S, H)
+        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope, mm=mm)  # (B, S, H)
         hiddens.append(drafter.norm(hidden))
         draft_ids.append(ids_at(1 + k))  # (B, S, K)
         probs.append(probs_at(1 + k))  # (B, S, K)

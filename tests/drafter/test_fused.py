@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hstap.drafter import fused
-from hstap.drafter.model import MLP, RMSNorm, apply_rope
+from hstap.drafter.model import MLP, Matmuls, RMSNorm, apply_rope
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -61,7 +61,9 @@ def test_the_drafter_modules_run_through_the_chains(compiled_on_cpu, monkeypatch
         apply_rope(torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4))
         mlp = MLP(8, 12)
         mlp(torch.randn(2, 8))
-        mlp(torch.randn(2, 8), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))  # the TTT unroll's form
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # the TTT unroll's form (`Matmuls`)
+        mm = Matmuls(qkv=None, gate_up=lambda x: x @ gate_up.t(), o=None, down=mlp.down_proj)
+        mlp(torch.randn(2, 8), mm)
     finally:
         fused.enable(True)
     assert calls == ["rms_norm", "rope", "silu_mul", "swiglu"]

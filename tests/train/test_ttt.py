@@ -113,10 +113,12 @@ def test_layer_step_takes_a_precomputed_rotary_window():
 
 
 def test_stacked_projections_equal_the_five_separate_ones_with_gradients():
-    """The unroll runs q/k/v and gate/up as two matmuls over `stacked_weights` (made once per unroll): the same
-    step and the same parameter gradients as the five projections, in fp32 to rounding."""
+    """The unroll runs q/k/v and gate/up as two matmuls over `stacked_weights` (made once per unroll), and
+    `accumulating_matmuls` sums each weight's gradients over the steps inside its matmuls: the same step and the
+    same parameter gradients as the five projections, in fp32 to rounding."""
     from hstap.drafter import DrafterConfig, Eagle3Drafter
     from hstap.train.attention import TTTAttention
+    from hstap.train.shared import accumulating_matmuls
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -126,15 +128,16 @@ def test_stacked_projections_equal_the_five_separate_ones_with_gradients():
     ids, hidden, positions = torch.randint(0, 50, (2, 9)), torch.randn(2, 9, 32), torch.arange(9).expand(2, 9)
     params = [p for p in drafter.parameters() if p.requires_grad]
     outs = []
-    for stacked in (None, drafter.stacked_weights(torch.float32)):
+    for mm in (None, drafter.matmuls(torch.float32), accumulating_matmuls(drafter, torch.float32)):
         attend = TTTAttention(4, 2)
-        h = drafter.layer_step(ids, hidden, positions, attend, stacked=stacked)
-        h = drafter.layer_step(ids, h, positions + 1, attend, stacked=stacked)  # two steps share one stack
+        h = drafter.layer_step(ids, hidden, positions, attend, mm=mm)
+        h = drafter.layer_step(ids, h, positions + 1, attend, mm=mm)  # two steps share the weights
         outs.append((h, torch.autograd.grad(h.square().sum(), params, allow_unused=True)))
-    (want, want_grads), (got, got_grads) = outs
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for g, w in zip(got_grads, want_grads):
-        if w is None:
-            assert g is None
-        else:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    (want, want_grads), *others = outs
+    for got, got_grads in others:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got_grads, want_grads):
+            if w is None:
+                assert g is None
+            else:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
