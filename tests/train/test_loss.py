@@ -159,8 +159,8 @@ def test_block_numbers_equal_autograd_even_where_ids_repeat():
     scale = torch.rand(6, generator=gen)
     ref_loss, ref_argmax, ref_grad = _block_reference(logits, ids, p, scale)
     for numbers in (block_numbers, block_numbers_inplace):
-        loss, argmax, grad = numbers(logits, ids, p, scale, grads=True)
-        torch.testing.assert_close(loss.double(), ref_loss, atol=1e-6, rtol=1e-6)
+        loss, argmax, grad = numbers(logits, ids, p, scale, grads=True)  # each row's loss, unscaled
+        torch.testing.assert_close((loss.double() * scale.double()).sum(), ref_loss, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(grad.double(), ref_grad, atol=1e-7, rtol=1e-5)
         assert torch.equal(argmax, ref_argmax)
         assert numbers(logits, ids, p, scale, grads=False)[2] is None
@@ -184,6 +184,6 @@ def test_compiled_block_on_cuda_matches_fp64_within_bf16():
     loss, argmax, grad = _block_fn(torch.device("cuda"))(*args, True)
     assert not COMPILED_BLOCK.failure, COMPILED_BLOCK.failure
     assert grad.dtype == torch.bfloat16
-    torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((loss.double().cpu() * scale.double()).sum(), ref_loss, atol=1e-5, rtol=1e-5)
     assert torch.equal(argmax.cpu(), ref_argmax)
     torch.testing.assert_close(grad.double().cpu(), ref_grad, atol=1e-9, rtol=2 ** -7)
