@@ -202,14 +202,16 @@ class Eagle3Drafter(nn.Module):
         hidden = self.layer_step(input_ids, hidden, positions, attend)
         return hidden, self.lm_head(self.norm(hidden))
 
-    def layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None,
+    def layer_step(self, input_ids: torch.Tensor | None, hidden: torch.Tensor, positions: torch.Tensor | None,
                    attend: AttendFn, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   mm: Matmuls | None = None) -> torch.Tensor:
+                   mm: Matmuls | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`step` without the head: → next hidden (B, S, H). Training applies norm + lm_head fused with its loss.
         `rope`: the rotary (cos, sin) of `positions` (each (B or 1, S, hd)), when the caller has them already (the
         TTT unroll slices one table for all its steps); then `positions` is not read. `mm`: the projections made
-        once for all of an unroll's steps (`matmuls`)."""
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        once for all of an unroll's steps (`matmuls`). `embeds`: the tokens' embeddings in `hidden`'s dtype, when
+        the caller has them (the unroll looks them up once for all its steps); then `input_ids` is not read."""
+        if embeds is None:
+            embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = rope if rope is not None else self.rotary(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, attend, mm)
 

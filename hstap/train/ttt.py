@@ -74,10 +74,14 @@ def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
     return TTTBatch(aux, ids, mask, valid, topk_ids, topk_lp)
 
 
-def shift_windows(x: torch.Tensor, fill, most: int) -> Callable[[int], torch.Tensor]:
+def shift_windows(x: torch.Tensor, fill, most: int, embed: nn.Embedding | None = None,
+                  dtype: torch.dtype | None = None) -> Callable[[int], torch.Tensor]:
     """`shift_left(x, n, fill)` for every n ≤ `most`, each a view of one padded copy of x: the TTT unroll reads its
-    steps' shifted inputs this way, one copy per tensor instead of one per step."""
+    steps' shifted inputs this way, one copy per tensor instead of one per step. `embed`: token ids x → windows
+    of their embeddings in `dtype`, looked up once for every window (instead of once per step)."""
     padded = torch.cat([x, torch.full_like(x[:, :1], fill).expand(-1, most, *x.shape[2:])], dim=1)
+    if embed is not None:
+        padded = embed(padded).to(dtype)  # (B, S + most, H)
     s = x.shape[1]
     return lambda n: padded[:, n: n + s]
 
@@ -160,7 +164,8 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     # one table over positions 0..S+steps: a view per step instead of a fill and a concatenation per tensor per
     # step (an 8B step at 2,048 positions is host-bound on an H200, 2026-12-04)
     most = steps + 1
-    tokens_at = shift_windows(batch.input_ids, 0, most)  # token t+1+k: tokens_at(1 + k)
+    # the embeddings of tokens t+1+k, embeds_at(1 + k): one lookup of the padded ids for every step
+    embeds_at = shift_windows(batch.input_ids, 0, most, drafter.embed_tokens, hidden.dtype)
     ids_at, probs_at = shift_windows(teacher_ids, -1, most), shift_windows(teacher_probs, 0.0, most)
     inside_at, counts_at = shift_windows(teacher_inside, False, most), shift_windows(counted & batch.valid, False, most)
     cos, sin = drafter.rotary(torch.arange(s + steps, device=hidden.device)[None], hidden.dtype)  # (1, S+steps, hd)
@@ -171,7 +176,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     hiddens, draft_ids, probs, weights = [], [], [], []
     for k in range(steps):
         rope = (cos[:, k: k + s], sin[:, k: k + s])  # positions t + k
-        hidden = drafter.layer_step(tokens_at(1 + k), hidden, None, attend, rope=rope, mm=mm)  # (B, S, H)
+        hidden = drafter.layer_step(None, hidden, None, attend, rope=rope, mm=mm, embeds=embeds_at(1 + k))  # (B, S, H)
         hiddens.append(drafter.norm(hidden))
         draft_ids.append(ids_at(1 + k))  # (B, S, K)
         probs.append(probs_at(1 + k))  # (B, S, K)
