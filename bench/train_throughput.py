@@ -14,7 +14,8 @@ as a fraction of the matrix-multiply rate measured here first (an 8192³ bf16 pr
 several lengths, measured one after another in one process. `--fused both` times every length with the
 drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side;
 `--attention flex flash` times each TTT attention backend in turn, in the same process, and `--wgrad gemm autograd`
-each way of summing the steps' weight gradients (hstap.train.shared). `--graph both` times each
+each way of summing the steps' weight gradients (hstap.train.shared), `--merge triton compiled` each diagonal
+merge of the flex path (hstap.train.merge_kernel). `--graph both` times each
 length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
 hstap.train.graphed; capture and warm-ups untimed). Rank 0 prints; `--json` adds machine-readable lines.
 """
@@ -35,7 +36,7 @@ import torch
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
-from hstap.train import attention, shared
+from hstap.train import attention, merge_kernel, shared
 from hstap.train.flops import ttt_train_flops
 from hstap.train.graphed import GraphedTTT
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
@@ -160,7 +161,8 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
                               "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
-                              "wgrad": "gemm" if shared.ENABLED else "autograd"}))
+                              "wgrad": "gemm" if shared.ENABLED else "autograd", "merge": attention.MERGE,
+                              "merge_kernel_failure": merge_kernel.failure()}))
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
@@ -195,6 +197,9 @@ def main() -> None:
                     help="where the TTT steps' weight gradients are summed, each timed in turn in one process: gemm "
                          "(inside the weight-gradient matmuls, hstap.train.shared, as hstap train runs) or autograd "
                          "(a bf16 add per step)")
+    ap.add_argument("--merge", nargs="+", default=["triton"], choices=["triton", "compiled"],
+                    help="the flex path's diagonal merge on CUDA, each timed in turn in one process: triton "
+                         "(hstap.train.merge_kernel, as hstap train runs) or compiled (torch.compile's)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -227,13 +232,15 @@ def main() -> None:
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
-    for backend, flex_mode, wgrad in itertools.product(args.attention, args.flex_mode, args.wgrad):
+    for backend, flex_mode, wgrad, merge in itertools.product(args.attention, args.flex_mode, args.wgrad,
+                                                             args.merge):
         ttt.attention = backend
         attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
         shared.ENABLED = wgrad == "gemm"
-        if (len(args.flex_mode) > 1 or len(args.attention) > 1 or len(args.wgrad) > 1) and dist.rank == 0:
+        attention.MERGE = merge
+        if max(map(len, (args.flex_mode, args.attention, args.wgrad, args.merge))) > 1 and dist.rank == 0:
             print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
-                  f"by {wgrad}")
+                  f"by {wgrad}, diagonal merge {merge}")
         for seq in args.seq:
             for on, graphed in itertools.product(modes, graph_modes):
                 fused.enable(on)
