@@ -23,6 +23,8 @@ import torch
 
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
+from hstap.errors import first_line
+from hstap.train import merge_kernel
 
 
 def flash_supported(q: torch.Tensor) -> bool:
@@ -86,14 +88,25 @@ def diagonal_backward(q, d_out, out, total, k_diag, v_diag, scale):
     return dq.view(b, nh, s, hd).to(q.dtype), dk.to(k_diag.dtype), dv.to(v_diag.dtype)
 
 
+def _kernel_backward(q, d_out, out, total, k_diag, v_diag, scale):
+    """`diagonal_backward` on the Triton kernels (no prefix gradients: the flash backward takes the whole softmax)."""
+    return merge_kernel.merge_backward(q, d_out, out, total, k_diag, v_diag, scale)[:3]
+
+
 COMPILED_DIAGONAL_FORWARD = CompiledOr(diagonal_forward, "flash TTT diagonal merge", "the eager one")
 COMPILED_DIAGONAL_BACKWARD = CompiledOr(diagonal_backward, "flash TTT diagonal backward", "the eager one")
 
 
-def _run(compiled: CompiledOr, plain, args: tuple):
-    """On CUDA the fused (compiled) form, one graph for every number of keys, as the flex path's merge
-    (`hstap train --no-compile` turns both off); eager elsewhere and after a failed compile."""
+def _run(compiled: CompiledOr, plain, kernel, args: tuple):
+    """On CUDA the Triton kernel (hstap.train.merge_kernel, as the flex path's merge), else the fused (compiled)
+    form, one graph for every number of keys (`hstap train --no-compile` turns all of them off); eager elsewhere
+    and after failures."""
     if args[0].is_cuda and fused.active():
+        if merge_kernel.usable(args[0].device):
+            try:
+                return kernel(*args)
+            except Exception as e:  # noqa: BLE001 — a kernel that fails must not end a training run
+                merge_kernel.turn_off(f"{kernel.__name__}: {first_line(e)}"[:300])
         return compiled(args, lambda: plain(*args))
     return plain(*args)
 
@@ -107,7 +120,8 @@ class FlashTTTAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             out, total, extra = _flash_forward(q, k0, v0, scale)  # at step 0 the prefix is the whole softmax
             if k_diag is not None:
-                out, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward, (q, out, total, k_diag, v_diag, scale))
+                out, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward, merge_kernel.merge_forward,
+                                  (q, out, total, k_diag, v_diag, scale))
         ctx.save_for_backward(q, k0, v0, k_diag, v_diag, out, total)
         ctx.scale, ctx.extra = scale, extra
         return out
@@ -120,7 +134,7 @@ class FlashTTTAttention(torch.autograd.Function):
             dq, dk0, dv0 = _flash_backward(d_out, q, k0, v0, out, total, ctx.scale, ctx.extra)
             dk_diag = dv_diag = None
             if k_diag is not None:
-                dq_diag, dk_diag, dv_diag = _run(COMPILED_DIAGONAL_BACKWARD, diagonal_backward,
+                dq_diag, dk_diag, dv_diag = _run(COMPILED_DIAGONAL_BACKWARD, diagonal_backward, _kernel_backward,
                                                  (q, d_out, out, total, k_diag, v_diag, ctx.scale))
                 dq = dq + dq_diag
         return dq, dk0, dv0, dk_diag, dv_diag, None

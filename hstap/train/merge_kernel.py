@@ -233,7 +233,8 @@ def failure() -> str:
     return _state["failure"]
 
 
-def _turn_off(why: str) -> None:
+def turn_off(why: str) -> None:
+    """Turn the kernels off for the process, saying why once on stderr (a caller whose kernel call failed)."""
     if not _state["failure"]:
         _state["failure"] = why
         print(f"hstap: the Triton TTT merge kernels are off ({why}); continuing with the compiled merge",
@@ -251,7 +252,7 @@ def usable(device: torch.device) -> bool:
         try:
             check(device)
         except Exception as e:  # noqa: BLE001 — a compiler or a kernel that fails must not end a training run
-            _turn_off(first_line(e)[:300])
+            turn_off(first_line(e)[:300])
     return not _state["failure"]
 
 
@@ -293,7 +294,7 @@ class TritonMerge(torch.autograd.Function):
                 dq, dk, dv, d_out, d_lse = merge_backward(*args)
                 return dq, d_out, d_lse, dk, dv, None
             except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: PyTorch from now on
-                _turn_off(f"backward: {first_line(e)}"[:300])
+                turn_off(f"backward: {first_line(e)}"[:300])
         dq, dk, dv, d_out, d_lse = merge_backward_reference(*args)
         return dq, d_out, d_lse, dk, dv, None
 
@@ -306,5 +307,5 @@ def merge(q, out, lse, k_diag, v_diag, scale: float) -> torch.Tensor | None:
     try:
         return TritonMerge.apply(q, out, lse, k_diag, v_diag, scale)
     except Exception as e:  # noqa: BLE001
-        _turn_off(f"forward: {first_line(e)}"[:300])
+        turn_off(f"forward: {first_line(e)}"[:300])
         return None
