@@ -79,6 +79,10 @@
 # `bash bench/h200_recipe.sh graphs`: issue 15's CUDA-graphed trainer step (phase_graphs, ~9 min of device time):
 #    the drafter step with and without graphs, its GPU test, the online trainer's real batches, and two short
 #    `hstap train --online` runs, without and with --cuda-graphs.
+# `bash bench/h200_recipe.sh mfu`: issue 15's 55 % MFU, the eighteenth session's step changes side by side
+#    (phase_mfu, ~22 min of device time): Triton merge vs one flex kernel, plain and graphed, the weight-gradient and
+#    merge A/Bs, 8,192, a profile, the GPU tests, then phase_graphs' trainer half. Carry .gpu/1 and .whl in call 1,
+#    .gpu/2-4 in calls 2-4 (`bash .gpu/N/unpack.sh && bash bench/h200_recipe.sh status`), then status polls.
 # SYNTH_NEW=384: R2's answer cap in tokens (default 256 since that A/B; 384 before).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
@@ -529,6 +533,11 @@ phase_graphs() {  # issue 15's CUDA-graphed trainer step (hstap train --cuda-gra
   step g0_throughput_graph_smollm2 timeout 180 $PY bench/train_throughput.py --device cuda --shape smollm2 \
     --draft-vocab 16384 --batch 8 --seq 2048 --steps 10 --graph both --json
   bundle
+  graphs_trainer
+}
+
+graphs_trainer() {  # the graphed trainer on real batches, once the assets are in: its GPU tests, the online bench's
+  # paths with and without graphs, and 80 steps of `hstap train --online` without and with --cuda-graphs
   wait_assets
   step g0_graphed_test timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphed.py  # the
   # trainer's test needs the model (the small store)
@@ -542,6 +551,30 @@ phase_graphs() {  # issue 15's CUDA-graphed trainer step (hstap train --cuda-gra
   for d in train_eager train_graphs; do cp "$RUN/$d/metrics.jsonl" "$RUN/results/$d.metrics.jsonl" 2>/dev/null; done
   bundle
   echo "$(date +%T) GRAPHS DONE" >> "$RUN/progress"
+}
+
+phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built without a GPU): the step's new pieces
+  # side by side on the 8B shape — the diagonal merge as Triton kernels (flex) against one flex kernel over all the
+  # keys (flexdiag), plain and graphed; the weight gradients summed in the matmuls against autograd's adds and the
+  # Triton merge against the compiled one (graphed, 2,048); 8,192; a profile — then the GPU tests and
+  # phase_graphs' trainer half (unrun since the seventeenth session). ~22 min of device time; the first 10 minutes
+  # answer the MFU question.
+  mkdir -p "$RUN/results"
+  local B="$PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 --json"
+  step m0_kernel_tests timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_merge_kernel.py \
+    tests/drafter/test_fused.py tests/train/test_loss.py  # a kernel that fails falls back, said once; the benches'
+  # JSON lines carry merge_kernel_failure
+  step m1_throughput_2048 timeout 420 $B --seq 2048 --steps 8 --attention flex flexdiag --graph both
+  bundle
+  step m2_throughput_ab timeout 300 $B --seq 2048 --steps 8 --graph on --wgrad gemm autograd --merge triton compiled
+  step m3_throughput_8192 timeout 360 $B --seq 8192 --steps 6 --attention flex flexdiag
+  step m4_profile timeout 200 $B --seq 2048 --steps 4 --profile 60
+  bundle
+  step m5_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
+    tests/runtime/test_gpu.py
+  bundle
+  graphs_trainer
+  echo "$(date +%T) MFU DONE" >> "$RUN/progress"
 }
 
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
@@ -640,6 +673,7 @@ case ${1:-status} in
   session) launch phase_s ;;
   verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
   graphs) launch phase_graphs ;;  # call 1 (with .gpu/1 and .whl): the CUDA-graphed trainer step (phase_graphs)
+  mfu) launch phase_mfu ;;  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
   regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \

@@ -156,5 +156,5 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of the stacked (…, 2I) gate and up. Its gradient is one (…, 2I) tensor, written by the
     fused backward, which the stacked matmul's backward reads as it is: with `silu_mul` over the two halves,
     autograd concatenated their two gradients, one more pass over the MLP's widest activation per TTT step
-    (on the 8B shape 1.6 GB a training step, 2026-12-05)."""
+    (on the 8B shape 1.6 GB a training step, 2026-12-04)."""
     return _dispatch("swiglu", gate_up)
