@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
 from hstap.train import merge_kernel
-from hstap.train.attention_flash import FlashTTTAttention, diagonal_forward, flash_supported
+from hstap.train.attention_flash import FlashTTTAttention, flash_supported
+from hstap.train.merge_kernel import diagonal_forward
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
 BACKENDS = ("auto", "flash", "flex", "flexdiag", "math")

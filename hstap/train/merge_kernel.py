@@ -203,17 +203,48 @@ def merge_backward(q, d_merged, merged, total, k_diag, v_diag, scale: float, out
     return dq, dk, dv, (d_out if prefix else None), (d_lse if prefix else None)
 
 
-def merge_forward_reference(q, out, lse, k_diag, v_diag, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_forward` in PyTorch, fp32 inside."""
-    from hstap.train.attention_flash import diagonal_forward
+def diagonal_forward(q, out, lse, k_diag, v_diag, scale):
+    """Merge the diagonal keys into the prefix result: q/out (B, nh, S, hd), lse (B, nh, S), k/v_diag stacked
+    (B, nkv, k, S, hd) → (merged output in q's dtype, the whole softmax's log-sum-exp (B, nh, S) fp32). Also the
+    flex path's compiled merge (hstap.train.attention.merge_pointwise), differentiated by autograd there."""
+    b, nh, s, hd = q.shape
+    nkv = k_diag.shape[1]
+    g = nh // nkv
+    qg = (q.float() * scale).view(b, nkv, g, 1, s, hd)  # head h = kv head h // G
+    diag = (qg * k_diag.float()[:, :, None]).sum(-1)  # (B, nkv, G, k, S)
+    prefix_lse = lse.float().view(b, nkv, g, 1, s)
+    total = torch.logsumexp(torch.cat([prefix_lse, diag], dim=3), dim=3)  # (B, nkv, G, S)
+    p = torch.exp(diag - total[:, :, :, None])  # (B, nkv, G, k, S)
+    merged = torch.exp(prefix_lse[:, :, :, 0] - total)[..., None] * out.float().view(b, nkv, g, s, hd) \
+        + (p[..., None] * v_diag.float()[:, :, None]).sum(3)  # (B, nkv, G, S, hd)
+    return merged.view(b, nh, s, hd).to(q.dtype), total.view(b, nh, s)
 
+
+def diagonal_backward(q, d_out, out, total, k_diag, v_diag, scale):
+    """The diagonal keys' gradients and their share of dq (module docstring), all in fp32 inside →
+    (dq (B, nh, S, hd), dk_diag, dv_diag (B, nkv, k, S, hd)), in the inputs' dtypes."""
+    b, nh, s, hd = q.shape
+    nkv = k_diag.shape[1]
+    g = nh // nkv
+    qf = q.float().view(b, nkv, g, 1, s, hd)
+    kf, vf = k_diag.float()[:, :, None], v_diag.float()[:, :, None]  # (B, nkv, 1, k, S, hd)
+    dof = d_out.float().view(b, nkv, g, 1, s, hd)
+    rowsum = (dof * out.float().view(b, nkv, g, 1, s, hd)).sum(-1)  # (B, nkv, G, 1, S)
+    p = torch.exp((qf * kf).sum(-1) * scale - total.view(b, nkv, g, 1, s))  # (B, nkv, G, k, S)
+    dd = p * ((dof * vf).sum(-1) - rowsum)  # (B, nkv, G, k, S)
+    dq = (dd[..., None] * kf).sum(3) * scale  # (B, nkv, G, S, hd)
+    dk = (dd[..., None] * qf).sum(2) * scale  # (B, nkv, k, S, hd)
+    dv = (p[..., None] * dof).sum(2)
+    return dq.view(b, nh, s, hd).to(q.dtype), dk.to(k_diag.dtype), dv.to(v_diag.dtype)
+
+
+def merge_forward_reference(q, out, lse, k_diag, v_diag, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_forward` in PyTorch, fp32 inside (`diagonal_forward`)."""
     return diagonal_forward(q, out, lse, k_diag, v_diag, scale)
 
 
 def merge_backward_reference(q, d_merged, merged, total, k_diag, v_diag, scale: float, out=None, lse=None):
-    """`merge_backward` in PyTorch, fp32 inside."""
-    from hstap.train.attention_flash import diagonal_backward
-
+    """`merge_backward` in PyTorch, fp32 inside (`diagonal_backward`, then the prefix's two gradients)."""
     dq, dk, dv = diagonal_backward(q, d_merged, merged, total, k_diag, v_diag, scale)
     if out is None:
         return dq, dk, dv, None, None

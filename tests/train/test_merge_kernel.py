@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hstap.train import merge_kernel
-from hstap.train.attention_flash import diagonal_forward
+from hstap.train.merge_kernel import diagonal_forward
 
 CHECK = Path(__file__).with_name("merge_kernel_check.py")
 
