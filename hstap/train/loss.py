@@ -165,13 +165,15 @@ class _HeadSoftCESteps(torch.autograd.Function):
         numbers = _block_fn(hiddens[0].device)
         device = weight.device
         counts = torch.stack([m.sum() for m in masks])  # (n,)
-        steps_w = torch.tensor(step_weights, dtype=torch.float32, device=device)  # (n,)
+        # each row's step weight, filled on the device (a tensor built from host data would be a copy, which a CUDA
+        # graph's capture refuses: hstap.train.graphed)
+        row_w = torch.cat([torch.full((per_step,), w, dtype=torch.float32, device=device) for w in step_weights])
         flat = _rows([x.to(dtype) for x in hiddens], h)  # (n·N, H)
         ids = _rows(all_ids, all_ids[0].shape[-1]).clamp_min(0)  # (n·N, K)
         p = _rows(all_probs, all_probs[0].shape[-1]).float()  # (n·N, K)
         share = (_rows(masks, 1).view(-1).float()
                  / counts.clamp_min(1).float().repeat_interleave(per_step))  # (n·N,) each row's share of its mean
-        scale = share * steps_w.repeat_interleave(per_step)  # the gradient carries the step's weight
+        scale = share * row_w  # the gradient carries the step's weight
         total_rows = n * per_step
         block = -(-total_rows // -(-total_rows // rows))  # ≤ rows, the blocks as equal as they come
         row_loss = torch.empty(total_rows, dtype=torch.float32, device=device)
@@ -188,7 +190,7 @@ class _HeadSoftCESteps(torch.autograd.Function):
                     torch.mm(g, w, out=grad_flat[part])  # (c, H), written in place (rows of a contiguous tensor)
                     grad_w = _add_weight_grad(grad_w, g, x)
         losses = (row_loss * share).view(n, per_step).sum(1)  # (n,) per-step mean losses
-        total = (losses * steps_w).sum()
+        total = (row_loss * scale).sum()  # Σ_k w_k · loss_k
         if grads:
             if grad_w is None:
                 grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device)

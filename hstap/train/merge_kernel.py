@@ -50,10 +50,12 @@ def _jit(fn):
 
 @_jit
 def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
-        sq_b, sq_h, sq_s, so_b, so_h, so_s, sl_b, sl_h, sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s,
-        sr_b, sr_h, sr_s, st_b, st_h, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
-    pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // NH, pid_bh % NH
+         sq_b, sq_h, sq_s, so_b, so_h, so_s, sl_b, sl_h, sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s,
+         sr_b, sr_h, sr_s, st_b, st_h, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NH
+    h = pid_bh % NH
     kvh = h // G
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HD_P2)
@@ -72,7 +74,8 @@ def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
                     other=0.0).to(tl.float32)
         d = tl.sum(q * k, axis=1) * scale
         m_new = tl.maximum(m, d)
-        alpha, p = tl.exp(m - m_new), tl.exp(d - m_new)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(d - m_new)
         acc = acc * alpha[:, None] + p[:, None] * v
         lsum = lsum * alpha + p
         m = m_new
@@ -83,14 +86,16 @@ def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
 
 @_jit
 def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, steps, NH, G,
-             sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sr_b, sr_h, sr_s, st_b, st_h,
-             sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s, so_b, so_h, so_s, sl_b, sl_h,
-             sdq_b, sdq_h, sdq_s, sdo_b, sdo_h, sdo_s, sdl_b, sdl_h, sp_b, sp_h, sp_k,
-             HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr, PREFIX: tl.constexpr):
+              sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sr_b, sr_h, sr_s, st_b, st_h,
+              sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s, so_b, so_h, so_s, sl_b, sl_h,
+              sdq_b, sdq_h, sdq_s, sdo_b, sdo_h, sdo_s, sdl_b, sdl_h, sp_b, sp_h, sp_k,
+              HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr, PREFIX: tl.constexpr):
     """Per query head and block of positions: dq's diagonal share, d_out and d_lse (PREFIX), and each diagonal
     key's dd_i and p_i (B, nh, k, S) for `bwd_keys`."""
-    pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // NH, pid_bh % NH
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NH
+    h = pid_bh % NH
     kvh = h // G
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HD_P2)
@@ -127,11 +132,14 @@ def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, st
 
 @_jit
 def _bwd_keys(Q, DO, DD, P, DK, DV, scale, S, steps, NKV, G,
-             sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sp_b, sp_h, sp_k, sdk_b, sdk_h, sdk_k, sdk_s,
-             sdv_b, sdv_h, sdv_k, sdv_s, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
+              sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sp_b, sp_h, sp_k, sdk_b, sdk_h, sdk_k, sdk_s,
+              sdv_b, sdv_h, sdv_k, sdv_s, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
     """Per key/value head, diagonal key and block of positions: dk_i and dv_i summed over the G query heads."""
-    pid_s, pid = tl.program_id(0), tl.program_id(1)
-    b, kvh, i = pid // (NKV * steps), (pid // steps) % NKV, pid % steps
+    pid_s = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // (NKV * steps)
+    kvh = (pid // steps) % NKV
+    i = pid % steps
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HD_P2)
     row_ok = rows < S

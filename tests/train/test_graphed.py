@@ -81,6 +81,32 @@ def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
     assert pad_batch(padded, 64) is padded and pad_batch(padded, 64, 5) is padded
 
 
+def test_the_step_copies_nothing_from_the_host_and_never_waits_for_the_device():
+    """What a CUDA graph's capture refuses: a tensor built from host data (`torch.tensor(...)` on the device is a
+    copy) or a value read back (`.item()`, `int(t)`). None in a TTT step's forward and backward, so the graphed
+    trainer captures the step that the eager one runs (a refused capture only falls back, said once: this is
+    where the CPU can tell)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
+    batch = _batch(3, 21, [21, 15, 9])
+    with Ops() as ops:
+        out = ttt_forward(drafter, batch, t2d_ids, steps=4, decay=0.8)
+        out.loss.backward()
+    assert "mm" in ops.names and "addmm_" in ops.names  # the probe saw the step (its weight-gradient sums too)
+    assert not {"lift_fresh", "_local_scalar_dense", "item", "nonzero"} & set(ops.names)
+
+
 def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_so_once(capsys):
     """Here the capture fails for real (no CUDA on this machine): the batches run eagerly, unpadded, with the
     eager step's losses and gradients (added into p.grad as backward adds them, scaled as --grad-accum scales), one
