@@ -84,6 +84,7 @@ def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
              mask=tile)
     tl.store(TOT + b * st_b + h * st_h + rows, m + tl.log(lsum), mask=row_ok)
 
+
 @_jit
 def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, steps, NH, G,
               sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sr_b, sr_h, sr_s, st_b, st_h,
@@ -129,6 +130,7 @@ def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, st
         tl.store(P + b * sp_b + h * sp_h + i * sp_k + rows, p, mask=row_ok)
     tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_s + cols[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=tile)
+
 
 @_jit
 def _bwd_keys(Q, DO, DD, P, DK, DV, scale, S, steps, NKV, G,
