@@ -568,6 +568,8 @@ phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built with
   bundle
   step m2_throughput_ab timeout 300 $B --seq 2048 --steps 8 --graph on --wgrad gemm autograd --merge triton compiled
   step m3_throughput_8192 timeout 360 $B --seq 8192 --steps 6 --attention flex flexdiag
+  step m3_throughput_batch4 timeout 200 $B --batch 4 --seq 2048 --steps 6 --graph on  # a trainer's step holds ~16k
+  # tokens (hstap train --batch-tokens 16384): AdamW's fixed ~3.5 ms and the GEMMs' shape at 4 x 2,048, for reference
   step m4_profile timeout 200 $B --seq 2048 --steps 4 --profile 60
   bundle
   step m5_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
