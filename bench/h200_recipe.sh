@@ -80,8 +80,8 @@
 #    the drafter step with and without graphs, its GPU test, the online trainer's real batches, and two short
 #    `hstap train --online` runs, without and with --cuda-graphs.
 # `bash bench/h200_recipe.sh mfu`: issue 15's 55 % MFU, the eighteenth session's step changes side by side
-#    (phase_mfu, ~22 min of device time): Triton merge vs one flex kernel, plain and graphed, the weight-gradient and
-#    merge A/Bs, 8,192, a profile, the GPU tests, then phase_graphs' trainer half. Carry .gpu/1 and .whl in call 1,
+#    (phase_mfu, ~24 min of device time): Triton merge vs one flex kernel vs cuDNN's prefix, plain and graphed, the
+#    weight-gradient and merge A/Bs, 8,192, a profile, the GPU tests, then phase_graphs' trainer half. Carry .gpu/1 and .whl in call 1,
 #    .gpu/2-4 in calls 2-4 (`bash .gpu/N/unpack.sh && bash bench/h200_recipe.sh status`), then status polls.
 # SYNTH_NEW=384: R2's answer cap in tokens (default 256 since that A/B; 384 before).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
@@ -555,19 +555,19 @@ graphs_trainer() {  # the graphed trainer on real batches, once the assets are i
 
 phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built without a GPU): the step's new pieces
   # side by side on the 8B shape — the diagonal merge as Triton kernels (flex) against one flex kernel over all the
-  # keys (flexdiag), plain and graphed; the weight gradients summed in the matmuls against autograd's adds and the
+  # keys (flexdiag) and the prefix on cuDNN's fused attention (cudnn), plain and graphed; the weight gradients summed in the matmuls against autograd's adds and the
   # Triton merge against the compiled one (graphed, 2,048); 8,192; a profile — then the GPU tests and
-  # phase_graphs' trainer half (unrun since the seventeenth session). ~22 min of device time; the first 10 minutes
+  # phase_graphs' trainer half (unrun since the seventeenth session). ~24 min of device time; the first 10 minutes
   # answer the MFU question.
   mkdir -p "$RUN/results"
   local B="$PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 --json"
   step m0_kernel_tests timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_merge_kernel.py \
     tests/drafter/test_fused.py tests/train/test_loss.py  # a kernel that fails falls back, said once; the benches'
   # JSON lines carry merge_kernel_failure
-  step m1_throughput_2048 timeout 420 $B --seq 2048 --steps 8 --attention flex flexdiag --graph both
+  step m1_throughput_2048 timeout 540 $B --seq 2048 --steps 8 --attention flex flexdiag cudnn --graph both
   bundle
   step m2_throughput_ab timeout 300 $B --seq 2048 --steps 8 --graph on --wgrad gemm autograd --merge triton compiled
-  step m3_throughput_8192 timeout 360 $B --seq 8192 --steps 6 --attention flex flexdiag
+  step m3_throughput_8192 timeout 420 $B --seq 8192 --steps 6 --attention flex flexdiag cudnn
   step m3_throughput_batch4 timeout 200 $B --batch 4 --seq 2048 --steps 6 --graph on  # a trainer's step holds ~16k
   # tokens (hstap train --batch-tokens 16384): AdamW's fixed ~3.5 ms and the GEMMs' shape at 4 x 2,048, for reference
   step m4_profile timeout 200 $B --seq 2048 --steps 4 --profile 60

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
 from hstap.train import merge_kernel
-from hstap.train.attention_flash import FlashTTTAttention, flash_supported
+from hstap.train.attention_flash import FlashTTTAttention, cudnn_supported, flash_supported
 from hstap.train.merge_kernel import diagonal_forward
 
 BLOCK = 128  # flex attention's block: sequences are padded up to a multiple (invisible under the causal mask)
-BACKENDS = ("auto", "flash", "flex", "flexdiag", "math")
+BACKENDS = ("auto", "cudnn", "flash", "flex", "flexdiag", "math")
 FLEX_COMPILE_MODE: str | None = None  # torch.compile mode of the flex kernel; "max-autotune-no-cudagraphs" times
 # its block sizes on the device at the first step (bench/train_throughput.py --flex-mode compares them)
 FLEX_MIN_HEAD_DIM = 16  # the compiled flex kernel refuses smaller heads (torch 2.11: "must be at least 16")
@@ -40,8 +40,9 @@ class TTTAttention:
 
     `backend`: "flex" (fused kernel, CUDA), "flexdiag" (one flex kernel over the step-0 and the diagonal keys
     together, no merge: `attend_flex_diag`), "flash" (PyTorch's flash kernels, any device, with the whole step's
-    backward in hstap.train.attention_flash), "math" (materialised prefix scores, any device), "auto" = flex on
-    CUDA for heads of at least FLEX_MIN_HEAD_DIM, math elsewhere (`use_flex`)."""
+    backward in hstap.train.attention_flash), "cudnn" (the same with cuDNN's fused attention, CUDA), "math"
+    (materialised prefix scores, any device), "auto" = flex on CUDA for heads of at least FLEX_MIN_HEAD_DIM, math
+    elsewhere (`use_flex`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, backend: str = "auto"):
         if backend not in BACKENDS:
@@ -55,7 +56,7 @@ class TTTAttention:
         self.keys.append(k)
         self.values.append(v)
         scale = q.shape[-1] ** -0.5
-        if self.backend == "flash":
+        if self.backend in ("flash", "cudnn"):
             return self._flash(q, scale)
         if self.backend == "flexdiag":
             if q.is_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:
@@ -71,16 +72,20 @@ class TTTAttention:
     def _flash(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """The step through `FlashTTTAttention`; the step-0 keys are repeated to the query heads once per unroll
         (autograd sums their gradients back)."""
-        if not flash_supported(q):
+        if self.backend == "flash" and not flash_supported(q):
             raise ValueError(f"TTT attention backend 'flash': queries of dtype {q.dtype} and head_dim {q.shape[-1]} "
                              f"on {q.device.type}; it takes fp16/bf16 on CUDA (fp32 too on a CPU) and heads up to "
                              f"256: use --ttt-attention auto")
+        if self.backend == "cudnn" and not cudnn_supported(q):
+            raise ValueError(f"TTT attention backend 'cudnn': queries of dtype {q.dtype} and head_dim {q.shape[-1]} "
+                             f"on {q.device.type}; it takes fp16/bf16 on CUDA and heads up to 128: use "
+                             f"--ttt-attention auto")
         if len(self.keys) == 1:
             self._prefix = tuple(t.repeat_interleave(self.rep, dim=1) for t in (self.keys[0], self.values[0]))
         k_diag = v_diag = None
         if len(self.keys) > 1:
             k_diag, v_diag = (torch.stack(t[1:], dim=2) for t in (self.keys, self.values))  # (B, nkv, k, S, hd)
-        return FlashTTTAttention.apply(q, *self._prefix, k_diag, v_diag, scale)
+        return FlashTTTAttention.apply(q, *self._prefix, k_diag, v_diag, scale, self.backend)
 
 
 def use_flex(backend: str, cuda: bool, head_dim: int) -> bool:

@@ -15,7 +15,9 @@ and the diagonal keys, (B, nh, S) scores d_i = q·k_i/√hd with weights p_i = e
 
 (summed over each key/value head's G query heads). On an H200 flex ran the 8B shape's causal prefix at ~190
 TFLOP/s (docs/benchmarks.md, the fifteenth GPU run); this is PyTorch's FlashAttention-2 kernel on CUDA, its flash
-kernel on a CPU (where the tests compare it with the materialised scores)."""
+kernel on a CPU (where the tests compare it with the materialised scores), or with `kernel="cudnn"` cuDNN's fused
+attention (CUDA only; the same whole-softmax backward, as PyTorch's own ring attention calls it; cuDNN's kernels
+are Hopper-tuned where FlashAttention-2 and flex are not: the 8,192 step spent ~56 of its 285 ms in flex)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,27 @@ def flash_supported(q: torch.Tensor) -> bool:
     if q.shape[-1] > 256:
         return False
     return q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else q.dtype in (torch.float32, torch.bfloat16)
+
+
+def cudnn_supported(q: torch.Tensor) -> bool:
+    """cuDNN's fused attention: fp16/bf16 on CUDA, heads up to 128."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
+
+
+def _cudnn_forward(q, k, v, scale):
+    """Causal cuDNN attention → (out, lse (B, nh, S) fp32, what its backward needs). cuDNN keeps the log-sum-exp
+    as (B, nh, S, 1)."""
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse.view(lse.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(d_out, q, k, v, out, lse, scale, extra):
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    d_out = torch.empty_like(out).copy_(d_out) if d_out.stride() != out.stride() else d_out  # out's layout
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        d_out, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
+        True, scale=scale)
 
 
 def _flash_forward(q, k, v, scale):
@@ -77,14 +100,19 @@ def _run(compiled: CompiledOr, plain, kernel, args: tuple):
     return plain(*args)
 
 
+KERNELS = {"flash": (_flash_forward, _flash_backward), "cudnn": (_cudnn_forward, _cudnn_backward)}
+
+
 class FlashTTTAttention(torch.autograd.Function):
     """q (B, nh, S, hd); k0/v0 the step-0 keys repeated to the nh heads (B, nh, S, hd); k_diag/v_diag the
-    diagonal keys of steps 1..k stacked (B, nkv, k, S, hd), or None at step 0 → (B, nh, S, hd)."""
+    diagonal keys of steps 1..k stacked (B, nkv, k, S, hd), or None at step 0 → (B, nh, S, hd). `kernel`: the
+    prefix's, flash or cudnn (`KERNELS`)."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, k_diag, v_diag, scale: float):
+    def forward(ctx, q, k0, v0, k_diag, v_diag, scale: float, kernel: str = "flash"):
+        prefix_forward, ctx.prefix_backward = KERNELS[kernel]
         with torch.autocast(q.device.type, enabled=False):
-            out, total, extra = _flash_forward(q, k0, v0, scale)  # at step 0 the prefix is the whole softmax
+            out, total, extra = prefix_forward(q, k0, v0, scale)  # at step 0 the prefix is the whole softmax
             if k_diag is not None:
                 out, total = _run(COMPILED_DIAGONAL_FORWARD, diagonal_forward, merge_kernel.merge_forward,
                                   (q, out, total, k_diag, v_diag, scale))
@@ -97,10 +125,10 @@ class FlashTTTAttention(torch.autograd.Function):
         q, k0, v0, k_diag, v_diag, out, total = ctx.saved_tensors
         d_out = d_out.contiguous()
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk0, dv0 = _flash_backward(d_out, q, k0, v0, out, total, ctx.scale, ctx.extra)
+            dq, dk0, dv0 = ctx.prefix_backward(d_out, q, k0, v0, out, total, ctx.scale, ctx.extra)
             dk_diag = dv_diag = None
             if k_diag is not None:
                 dq_diag, dk_diag, dv_diag = _run(COMPILED_DIAGONAL_BACKWARD, diagonal_backward, _kernel_backward,
                                                  (q, d_out, out, total, k_diag, v_diag, ctx.scale))
                 dq = dq + dq_diag
-        return dq, dk0, dv0, dk_diag, dv_diag, None
+        return dq, dk0, dv0, dk_diag, dv_diag, None, None

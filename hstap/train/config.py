@@ -54,9 +54,10 @@ class TrainConfig(BaseModel):
                                 "--batch-tokens)", ge=1)
     ttt_steps: int | None = option(None, "training-time-test unroll length (default 7 on a GPU, 3 on a CPU)", ge=1)
     decay: float = option(0.8, "weight of TTT step k is decay**k", gt=0, le=1)
-    ttt_attention: Literal["auto", "flash", "flex", "flexdiag", "math"] = option(
+    ttt_attention: Literal["auto", "cudnn", "flash", "flex", "flexdiag", "math"] = option(
         "auto", "TTT attention kernel: flex (fused, CUDA), flexdiag (CUDA: one flex kernel over the step-0 and "
-        "the diagonal keys, no separate merge; not yet timed on a GPU), flash (PyTorch's flash kernels; bf16/fp16 on "
+        "the diagonal keys, no separate merge; not yet timed on a GPU), cudnn (CUDA: the flash path on cuDNN's "
+        "fused attention; not yet timed on a GPU), flash (PyTorch's flash kernels; bf16/fp16 on "
         "CUDA; beside flex on an H200: 298 against 285 ms a step at 8,192 positions, as fast at 2,048; "
         "docs/benchmarks.md), "
         "math (materialised scores, exact reference), auto = flex on CUDA")

@@ -50,9 +50,9 @@ def preflight(cfg: TrainConfig) -> None:
     check_device(cfg.device)
     if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
         raise HstapError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda, not {cfg.device}")
-    if cfg.ttt_attention in ("flex", "flexdiag") and not cfg.device.startswith("cuda"):
-        raise HstapError(f"--ttt-attention {cfg.ttt_attention} trains on CUDA only (PyTorch's flex attention has no "
-                         f"backward on a CPU): use auto, math or flash with --device {cfg.device}")
+    if cfg.ttt_attention in ("flex", "flexdiag", "cudnn") and not cfg.device.startswith("cuda"):
+        raise HstapError(f"--ttt-attention {cfg.ttt_attention} trains on CUDA only (its kernels have no CPU "
+                         f"backward): use auto, math or flash with --device {cfg.device}")
     check_out_dir(cfg.out)
     check_run_dir(Path(cfg.out), cfg.resume, cfg.overwrite)
     layers = int(model_config(cfg.model)["num_hidden_layers"])  # names a missing model directory now

@@ -151,6 +151,20 @@ def test_flash_backend_on_cuda_equals_the_reference():
     _check_bf16_against_fp64("flash", "cuda", hd=128)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cudnn_backend_on_cuda_equals_the_reference():
+    """cuDNN's fused attention for the prefix, its backward fed the whole softmax's output and log-sum-exp (as
+    the flash path): bf16 held to fp64 like the bf16 reference, heads of 128 (the 8B shape's)."""
+    _check_bf16_against_fp64("cudnn", "cuda", hd=128)
+
+
+def test_cudnn_backend_refuses_what_its_kernels_cannot_run_in_one_line():
+    q, k, v = _inputs(steps=1, hd=8, grad=False)[0]  # fp32, on the CPU
+    with pytest.raises(ValueError, match="backend 'cudnn'.*float32 and head_dim 8 on cpu.*--ttt-attention auto"):
+        TTTAttention(4, 2, "cudnn")(q, k, v)
+
+
 def test_flash_backend_refuses_what_its_kernels_cannot_run_in_one_line():
     q, k, v = _inputs(steps=1, hd=8, dtype=torch.float16, grad=False)[0]
     with pytest.raises(ValueError, match="backend 'flash'.*float16.*--ttt-attention auto"):
@@ -172,7 +186,7 @@ def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line():
 
 
 def test_unknown_backend_names_the_valid_ones():
-    with pytest.raises(ValueError, match="auto, flash, flex, flexdiag, math"):
+    with pytest.raises(ValueError, match="auto, cudnn, flash, flex, flexdiag, math"):
         TTTAttention(4, 2, "sdpa")
 
 
@@ -376,9 +390,9 @@ def test_flex_compile_mode_reaches_torch_compile(monkeypatch):
     assert modes == ["max-autotune-no-cudagraphs", None]
 
 
-@pytest.mark.parametrize("backend", ["flex", "flexdiag"])
-def test_flex_backends_are_refused_for_training_off_cuda_in_one_line(tmp_path, backend):
-    """PyTorch's flex attention has no CPU backward: said before anything loads, not as its own error mid-run."""
+@pytest.mark.parametrize("backend", ["flex", "flexdiag", "cudnn"])
+def test_cuda_backends_are_refused_for_training_off_cuda_in_one_line(tmp_path, backend):
+    """flex and cuDNN attention have no CPU backward: said before anything loads, not as their own error mid-run."""
     from hstap.errors import HstapError
     from hstap.train.config import TrainConfig
     from hstap.train.rundir import preflight
