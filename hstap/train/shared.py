@@ -50,7 +50,12 @@ class _Weight(Function):
     def forward(ctx, total: _Sum, dtype: torch.dtype, *params: torch.Tensor) -> torch.Tensor:
         ctx.total, ctx.rows, ctx.dtypes = total, [p.shape[0] for p in params], [p.dtype for p in params]
         ctx.set_materialize_grads(False)  # the uses return no gradient for it: no zeros to allocate
-        return torch.cat([p.to(dtype) for p in params]) if len(params) > 1 else params[0].to(dtype)
+        if len(params) == 1:
+            return params[0].to(dtype)
+        stacked = torch.empty(sum(ctx.rows), *params[0].shape[1:], dtype=dtype, device=params[0].device)
+        for rows, p in zip(stacked.split(ctx.rows), params):
+            rows.copy_(p)  # cast straight into its rows: no cast-then-concatenate pass
+        return stacked
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
