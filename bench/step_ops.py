@@ -189,7 +189,6 @@ def _cuda_route(rec: _Recorder):
             mock.patch.object(attention, "causal_prefix_flex", flex_prefix),
             mock.patch.object(attention, "attend_flex_diag", flex_diag),
             mock.patch.object(attention, "_compiled_merge_here", lambda q: True),
-            mock.patch.object(attention, "MERGE", "triton"),
             mock.patch.object(merge_kernel, "merge", merge),
             mock.patch.object(loss, "_block_fn", lambda device: block),
             mock.patch.object(loss, "_add_weight_grad", weight_grad)]

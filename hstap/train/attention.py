@@ -213,10 +213,9 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: 
         if _compiled_merge_here(q):
             # the keys stacked here, not in the compiled body: one graph for every number of keys
             k_diag, v_diag = torch.stack(keys, dim=2), torch.stack(values, dim=2)  # (B, nkv, k, S, hd)
-            if MERGE == "triton":
-                merged = merge_kernel.merge(q, out, lse, k_diag, v_diag, scale)
-                if merged is not None:
-                    return merged
+            merged = merge_kernel.merge(q, out, lse, k_diag, v_diag, scale)  # None where the kernels cannot run
+            if merged is not None:
+                return merged
             return COMPILED_MERGE((q, out, lse, k_diag, v_diag, scale),
                                   lambda: _merge_fp32(q, out, lse, keys, values, scale))
         return _merge_fp32(q, out, lse, keys, values, scale)
@@ -233,8 +232,6 @@ def merge_pointwise(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_dia
 
 
 COMPILED_MERGE = CompiledOr(merge_pointwise, "TTT diagonal merge", "the batched-matmul one")
-MERGE = "triton"  # on CUDA: "triton" (hstap.train.merge_kernel, the compiled merge where it cannot run) or
-# "compiled" (bench/train_throughput.py --merge times both)
 
 
 def _compiled_merge_here(q: torch.Tensor) -> bool:

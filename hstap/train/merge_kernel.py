@@ -168,6 +168,12 @@ def _strides(t: torch.Tensor, n: int) -> tuple[int, ...]:
     return tuple(t.stride()[:n])
 
 
+def _warps(hd: int) -> int:
+    """8 warps for heads over 64: four fp32 (BLOCK_S, 128) tiles in flight are 64 registers a thread at 256
+    threads, 128 at the default 128 (where they would spill)."""
+    return 8 if hd > 64 else 4
+
+
 def _shape(q: torch.Tensor, k_diag: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     b, nh, s, hd = q.shape
     nkv, steps = k_diag.shape[1], k_diag.shape[2]
@@ -184,7 +190,7 @@ def merge_forward(q, out, lse, k_diag, v_diag, scale: float) -> tuple[torch.Tens
     _fwd[grid](q, out, lse, k_diag, v_diag, merged, total, scale, s, steps, nh, nh // nkv,
               *_strides(q, 3), *_strides(out, 3), *_strides(lse, 2), *_strides(k_diag, 4), *_strides(v_diag, 4),
               *_strides(merged, 3), *_strides(total, 2),
-              HD=hd, HD_P2=max(16, 1 << (hd - 1).bit_length()), BLOCK=BLOCK_S)
+              HD=hd, HD_P2=max(16, 1 << (hd - 1).bit_length()), BLOCK=BLOCK_S, num_warps=_warps(hd))
     return merged, total
 
 
@@ -205,11 +211,11 @@ def merge_backward(q, d_merged, merged, total, k_diag, v_diag, scale: float, out
                nh, nh // nkv, *_strides(q, 3), *_strides(d_merged, 3), *_strides(merged, 3), *_strides(total, 2),
                *_strides(k_diag, 4), *_strides(v_diag, 4), *_strides(out_, 3), *_strides(lse_, 2),
                *_strides(dq, 3), *_strides(d_out, 3), *_strides(d_lse, 2), *_strides(dd, 3),
-               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, PREFIX=prefix)
+               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, PREFIX=prefix, num_warps=_warps(hd))
     grid = (-(-s // BLOCK_S), b * nkv * steps)
     _bwd_keys[grid](q, d_merged, dd, p, dk, dv, scale, s, steps, nkv, nh // nkv, *_strides(q, 3),
                *_strides(d_merged, 3), *_strides(dd, 3), *_strides(dk, 4), *_strides(dv, 4),
-               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S)
+               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, num_warps=_warps(hd))
     return dq, dk, dv, (d_out if prefix else None), (d_lse if prefix else None)
 
 
@@ -266,6 +272,7 @@ def merge_backward_reference(q, d_merged, merged, total, k_diag, v_diag, scale: 
     return dq, dk, dv, d_out, d_lse
 
 
+ENABLED = True  # False: the compiled merge wherever these would run (bench/train_throughput.py --merge times both)
 _state = {"checked": False, "failure": ""}
 
 
@@ -286,7 +293,7 @@ def usable(device: torch.device) -> bool:
     """Whether the kernels run here: Triton installed, and (checked once per process) compiled and equal to the
     PyTorch forms on small fp32 inputs on `device`, forward and backward. A failure or a disagreement turns them
     off for the process, said once on stderr."""
-    if not available():
+    if not (ENABLED and available()):
         return False
     if not _state["checked"]:
         _state["checked"] = True

@@ -343,6 +343,7 @@ def test_pointwise_merge_equals_the_batched_matmul_merge(k):
 def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, capsys):
     import hstap.train.attention as attention
     from hstap.compiling import CompiledOr
+    from hstap.train import merge_kernel
 
     def broken(fn, **kwargs):
         raise RuntimeError("inductor says no\nmore trace")
@@ -350,7 +351,7 @@ def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, cap
     merge = CompiledOr(attention.merge_pointwise, "TTT diagonal merge", "the batched-matmul one")
     monkeypatch.setattr(attention, "COMPILED_MERGE", merge)
     monkeypatch.setattr(attention, "_compiled_merge_here", lambda q: not merge.failure)
-    monkeypatch.setattr(attention, "MERGE", "compiled")  # not the Triton kernels (tests/train/test_merge_kernel.py)
+    monkeypatch.setattr(merge_kernel, "ENABLED", False)  # not the Triton kernels (tests/train/test_merge_kernel.py)
     monkeypatch.setattr(torch, "compile", broken)
     q, out, lse, keys, values = _merge_inputs(2, seed=1)
     want = attention._merge_fp32(q, out, lse, keys, values, 0.25)
@@ -364,9 +365,9 @@ def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, cap
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_merge_on_cuda_equals_the_batched_matmul_merge(monkeypatch):
-    from hstap.train import attention
+    from hstap.train import attention, merge_kernel
 
-    monkeypatch.setattr(attention, "MERGE", "compiled")
+    monkeypatch.setattr(merge_kernel, "ENABLED", False)
     q, out, lse, keys, values = (t.cuda() if isinstance(t, torch.Tensor) else [x.cuda() for x in t]
                                  for t in _merge_inputs(3, seed=2))
     assert attention._compiled_merge_here(q)
