@@ -161,8 +161,8 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
                               "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
-                              "wgrad": "gemm" if shared.ENABLED else "autograd", "merge": "triton" if merge_kernel.ENABLED else "compiled",
-                              "merge_kernel_failure": merge_kernel.failure()}))
+                              "wgrad": "gemm" if shared.ENABLED else "autograd", "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
+                              "merge_kernel_failure": merge_kernel.KERNELS.failure}))
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
@@ -237,7 +237,7 @@ def main() -> None:
         ttt.attention = backend
         attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
         shared.ENABLED = wgrad == "gemm"
-        merge_kernel.ENABLED = merge == "triton"
+        merge_kernel.KERNELS.enabled = merge == "triton"
         if max(map(len, (args.flex_mode, args.attention, args.wgrad, args.merge))) > 1 and dist.rank == 0:
             print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
                   f"by {wgrad}, diagonal merge {merge}")

@@ -37,3 +37,38 @@ class CompiledOr:
                 print(f"hstap: the compiled {self.what} failed ({self.failure}); continuing with {self.instead}",
                       file=sys.stderr)
         return eager()
+
+
+class Kernels:
+    """Hand-written (Triton) kernels with a way back: checked once per process against their PyTorch forms on the
+    device, the first failure or disagreement said once on stderr, the caller's other path from then on.
+
+        MERGE = Kernels("Triton TTT merge kernels", "the compiled merge", check)
+        if MERGE.usable(q.device): ...            # else the other path
+        MERGE.turn_off("backward: ...")          # a call that failed later
+    """
+
+    def __init__(self, what: str, instead: str, check: Callable[[torch.device], None],
+                 available: Callable[[], bool]):
+        self.what, self.instead, self._check, self._available = what, instead, check, available
+        self.enabled = True  # False: never used (bench/train_throughput.py times both paths)
+        self.checked = False
+        self.failure = ""  # why they were turned off ('' while they are on)
+
+    def turn_off(self, why: str) -> None:
+        if not self.failure:
+            self.failure = why
+            print(f"hstap: the {self.what} are off ({why}); continuing with {self.instead}", file=sys.stderr)
+
+    def usable(self, device: torch.device) -> bool:
+        """Whether they run here: enabled, Triton installed, and (once per process) equal to their PyTorch forms
+        on `device` (`check` raises otherwise)."""
+        if not (self.enabled and self._available()):
+            return False
+        if not self.checked:
+            self.checked = True
+            try:
+                self._check(device)
+            except Exception as e:  # noqa: BLE001 — a compiler or a kernel that fails must not end a training run
+                self.turn_off(first_line(e)[:300])
+        return not self.failure

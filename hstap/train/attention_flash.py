@@ -91,11 +91,11 @@ def _run(compiled: CompiledOr, plain, kernel, args: tuple):
     form, one graph for every number of keys (`hstap train --no-compile` turns all of them off); eager elsewhere
     and after failures."""
     if args[0].is_cuda and fused.active():
-        if merge_kernel.usable(args[0].device):
+        if merge_kernel.KERNELS.usable(args[0].device):
             try:
                 return kernel(*args)
             except Exception as e:  # noqa: BLE001 — a kernel that fails must not end a training run
-                merge_kernel.turn_off(f"{kernel.__name__}: {first_line(e)}"[:300])
+                merge_kernel.KERNELS.turn_off(f"{kernel.__name__}: {first_line(e)}"[:300])
         return compiled(args, lambda: plain(*args))
     return plain(*args)
 

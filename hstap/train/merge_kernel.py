@@ -22,10 +22,9 @@ Triton is imported: tests/train/merge_kernel_check.py), held to `merge_forward_r
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from hstap.compiling import Kernels
 from hstap.errors import first_line
 
 try:  # absent where Triton is not installed (`available()` says so)
@@ -272,38 +271,6 @@ def merge_backward_reference(q, d_merged, merged, total, k_diag, v_diag, scale: 
     return dq, dk, dv, d_out, d_lse
 
 
-ENABLED = True  # False: the compiled merge wherever these would run (bench/train_throughput.py --merge times both)
-_state = {"checked": False, "failure": ""}
-
-
-def failure() -> str:
-    """Why the kernels were turned off in this process ('' when they were not)."""
-    return _state["failure"]
-
-
-def turn_off(why: str) -> None:
-    """Turn the kernels off for the process, saying why once on stderr (a caller whose kernel call failed)."""
-    if not _state["failure"]:
-        _state["failure"] = why
-        print(f"hstap: the Triton TTT merge kernels are off ({why}); continuing with the compiled merge",
-              file=sys.stderr)
-
-
-def usable(device: torch.device) -> bool:
-    """Whether the kernels run here: Triton installed, and (checked once per process) compiled and equal to the
-    PyTorch forms on small fp32 inputs on `device`, forward and backward. A failure or a disagreement turns them
-    off for the process, said once on stderr."""
-    if not (ENABLED and available()):
-        return False
-    if not _state["checked"]:
-        _state["checked"] = True
-        try:
-            check(device)
-        except Exception as e:  # noqa: BLE001 — a compiler or a kernel that fails must not end a training run
-            turn_off(first_line(e)[:300])
-    return not _state["failure"]
-
-
 def check(device: torch.device) -> None:
     """Raise unless the kernels equal the PyTorch forms on small fp32 inputs on `device` (an odd length, 2 query
     heads per key/value head, 3 diagonal keys, q in the projections' (B, S, nh, hd) layout)."""
@@ -318,6 +285,10 @@ def check(device: torch.device) -> None:
     want += merge_backward_reference(q, d_merged, want[0], want[1], k_diag, v_diag, 0.25, out, lse)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+KERNELS = Kernels("Triton TTT merge kernels", "the compiled merge", check, available)  # `.enabled = False`: the
+# compiled merge wherever these would run (bench/train_throughput.py --merge times both); `.failure`
 
 
 class TritonMerge(torch.autograd.Function):
@@ -337,12 +308,12 @@ class TritonMerge(torch.autograd.Function):
         if d_merged.stride(-1) != 1:
             d_merged = d_merged.contiguous()
         args = (q, d_merged, merged, total, k_diag, v_diag, ctx.scale, out, lse)
-        if not failure():
+        if not KERNELS.failure:
             try:
                 dq, dk, dv, d_out, d_lse = merge_backward(*args)
                 return dq, d_out, d_lse, dk, dv, None
             except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: PyTorch from now on
-                turn_off(f"backward: {first_line(e)}"[:300])
+                KERNELS.turn_off(f"backward: {first_line(e)}"[:300])
         dq, dk, dv, d_out, d_lse = merge_backward_reference(*args)
         return dq, d_out, d_lse, dk, dv, None
 
@@ -350,10 +321,10 @@ class TritonMerge(torch.autograd.Function):
 def merge(q, out, lse, k_diag, v_diag, scale: float) -> torch.Tensor | None:
     """`TritonMerge` where the kernels are usable on q's device, else None (the caller merges another way). A
     forward that fails turns them off (said once) and returns None."""
-    if not usable(q.device):
+    if not KERNELS.usable(q.device):
         return None
     try:
         return TritonMerge.apply(q, out, lse, k_diag, v_diag, scale)
     except Exception as e:  # noqa: BLE001
-        turn_off(f"forward: {first_line(e)}"[:300])
+        KERNELS.turn_off(f"forward: {first_line(e)}"[:300])
         return None

@@ -55,7 +55,7 @@ def flex_path_with_the_kernels() -> None:
         warnings.simplefilter("ignore", UserWarning)
         got_attend = attention.TTTAttention(4, 2, "flex")
         got = [got_attend(*step) for step in qkv]
-    assert len(calls) == 2 and not merge_kernel.failure(), (len(calls), merge_kernel.failure())
+    assert len(calls) == 2 and not merge_kernel.KERNELS.failure, (len(calls), merge_kernel.KERNELS.failure)
     leaves = [t for step in qkv for t in step]
     probe = [torch.randn(w.shape, generator=gen) for w in want]
     grads = torch.autograd.grad(sum((a * p).sum() for a, p in zip(got, probe)), leaves)

@@ -351,7 +351,7 @@ def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, cap
     merge = CompiledOr(attention.merge_pointwise, "TTT diagonal merge", "the batched-matmul one")
     monkeypatch.setattr(attention, "COMPILED_MERGE", merge)
     monkeypatch.setattr(attention, "_compiled_merge_here", lambda q: not merge.failure)
-    monkeypatch.setattr(merge_kernel, "ENABLED", False)  # not the Triton kernels (tests/train/test_merge_kernel.py)
+    monkeypatch.setattr(merge_kernel.KERNELS, "enabled", False)  # not the Triton kernels (test_merge_kernel.py)
     monkeypatch.setattr(torch, "compile", broken)
     q, out, lse, keys, values = _merge_inputs(2, seed=1)
     want = attention._merge_fp32(q, out, lse, keys, values, 0.25)
@@ -367,7 +367,7 @@ def test_a_failing_compiled_merge_falls_back_once_with_one_line(monkeypatch, cap
 def test_compiled_merge_on_cuda_equals_the_batched_matmul_merge(monkeypatch):
     from hstap.train import attention, merge_kernel
 
-    monkeypatch.setattr(merge_kernel, "ENABLED", False)
+    monkeypatch.setattr(merge_kernel.KERNELS, "enabled", False)
     q, out, lse, keys, values = (t.cuda() if isinstance(t, torch.Tensor) else [x.cuda() for x in t]
                                  for t in _merge_inputs(3, seed=2))
     assert attention._compiled_merge_here(q)

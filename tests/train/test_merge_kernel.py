@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hstap.compiling import Kernels
 from hstap.train import merge_kernel
 from hstap.train.merge_kernel import diagonal_forward
 
@@ -47,8 +48,8 @@ def test_the_backward_reference_equals_autograd_through_the_merge():
 
 
 def test_a_failing_kernel_is_said_once_and_the_merge_goes_on_without_it(monkeypatch, capsys):
-    monkeypatch.setattr(merge_kernel, "_state", {"checked": True, "failure": ""})
-    monkeypatch.setattr(merge_kernel, "available", lambda: True)
+    monkeypatch.setattr(merge_kernel, "KERNELS", Kernels(merge_kernel.KERNELS.what, merge_kernel.KERNELS.instead,
+                                                         lambda device: None, lambda: True))
 
     def broken(*args):
         raise RuntimeError("PTX not supported\nsecond line")
@@ -58,7 +59,7 @@ def test_a_failing_kernel_is_said_once_and_the_merge_goes_on_without_it(monkeypa
     args = (q, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5), torch.randn(1, 1, 2, 5, 4), torch.randn(1, 1, 2, 5, 4))
     assert merge_kernel.merge(*args, 0.5) is None
     assert merge_kernel.merge(*args, 0.5) is None  # later calls: off, silently
-    assert merge_kernel.failure() == "forward: RuntimeError: PTX not supported"
+    assert merge_kernel.KERNELS.failure == "forward: RuntimeError: PTX not supported"
     assert capsys.readouterr().err.strip().splitlines() == [
         "hstap: the Triton TTT merge kernels are off (forward: RuntimeError: PTX not supported); continuing with "
         "the compiled merge"]
@@ -69,7 +70,7 @@ def test_a_failing_kernel_is_said_once_and_the_merge_goes_on_without_it(monkeypa
 def test_the_kernels_on_cuda_equal_their_pytorch_forms_at_the_8b_shape():
     """Compiled by Triton: the usability check passes, and at the 8B shape (32 query heads over 8, heads of 128,
     2,048 positions, 6 diagonal keys, bf16) every output is the fp32 PyTorch form's within one bf16 rounding."""
-    assert merge_kernel.usable(torch.device("cuda")), merge_kernel.failure()
+    assert merge_kernel.KERNELS.usable(torch.device("cuda")), merge_kernel.KERNELS.failure
     gen = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
     q = rand(1, 2048, 32, 128).transpose(1, 2)
