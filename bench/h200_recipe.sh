@@ -562,11 +562,12 @@ phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built with
   mkdir -p "$RUN/results"
   local B="$PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 --json"
   step m0_kernel_tests timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_merge_kernel.py \
-    tests/drafter/test_fused.py tests/train/test_loss.py  # a kernel that fails falls back, said once; the benches'
+    tests/train/test_head_kernel.py tests/drafter/test_fused.py tests/train/test_loss.py  # a kernel that fails falls back, said once; the benches'
   # JSON lines carry merge_kernel_failure
   step m1_throughput_2048 timeout 540 $B --seq 2048 --steps 8 --attention flex flexdiag cudnn --graph both
   bundle
   step m2_throughput_ab timeout 300 $B --seq 2048 --steps 8 --graph on --wgrad gemm autograd --merge triton compiled
+  step m2_throughput_head timeout 200 $B --seq 2048 --steps 8 --graph on --head triton compiled
   step m3_throughput_8192 timeout 420 $B --seq 8192 --steps 6 --attention flex flexdiag cudnn
   step m3_throughput_batch4 timeout 200 $B --batch 4 --seq 2048 --steps 6 --graph on  # a trainer's step holds ~16k
   # tokens (hstap train --batch-tokens 16384): AdamW's fixed ~3.5 ms and the GEMMs' shape at 4 x 2,048, for reference

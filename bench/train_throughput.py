@@ -15,7 +15,8 @@ several lengths, measured one after another in one process. `--fused both` times
 drafter's elementwise chains eager, then fused (`hstap.drafter.fused`, torch.compile on CUDA), side by side;
 `--attention flex flash` times each TTT attention backend in turn, in the same process, and `--wgrad gemm autograd`
 each way of summing the steps' weight gradients (hstap.train.shared), `--merge triton compiled` each diagonal
-merge of the flex path (hstap.train.merge_kernel). `--graph both` times each
+merge of the flex path (hstap.train.merge_kernel), `--head triton compiled` each head-loss block
+(hstap.train.head_kernel). `--graph both` times each
 length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
 hstap.train.graphed; capture and warm-ups untimed). Rank 0 prints; `--json` adds machine-readable lines.
 """
@@ -37,6 +38,7 @@ from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
 from hstap.train import attention, merge_kernel, shared
+from hstap.train.loss import HEAD_KERNEL
 from hstap.train.flops import ttt_train_flops
 from hstap.train.graphed import GraphedTTT
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
@@ -162,7 +164,9 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
                               "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
                               "wgrad": "gemm" if shared.ENABLED else "autograd", "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
-                              "merge_kernel_failure": merge_kernel.KERNELS.failure}))
+                              "merge_kernel_failure": merge_kernel.KERNELS.failure,
+                              "head": "triton" if HEAD_KERNEL.enabled else "compiled",
+                              "head_kernel_failure": HEAD_KERNEL.failure}))
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
@@ -200,6 +204,9 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", default=["triton"], choices=["triton", "compiled"],
                     help="the flex path's diagonal merge on CUDA, each timed in turn in one process: triton "
                          "(hstap.train.merge_kernel, as hstap train runs) or compiled (torch.compile's)")
+    ap.add_argument("--head", nargs="+", default=["triton"], choices=["triton", "compiled"],
+                    help="the head loss's block on CUDA, each timed in turn in one process: triton "
+                         "(hstap.train.head_kernel, as hstap train runs) or compiled (torch.compile's)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -232,15 +239,16 @@ def main() -> None:
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
-    for backend, flex_mode, wgrad, merge in itertools.product(args.attention, args.flex_mode, args.wgrad,
-                                                             args.merge):
+    for backend, flex_mode, wgrad, merge, head in itertools.product(args.attention, args.flex_mode, args.wgrad,
+                                                                   args.merge, args.head):
         ttt.attention = backend
         attention.FLEX_COMPILE_MODE = None if flex_mode == "default" else flex_mode
         shared.ENABLED = wgrad == "gemm"
         merge_kernel.KERNELS.enabled = merge == "triton"
-        if max(map(len, (args.flex_mode, args.attention, args.wgrad, args.merge))) > 1 and dist.rank == 0:
+        HEAD_KERNEL.enabled = head == "triton"
+        if max(map(len, (args.flex_mode, args.attention, args.wgrad, args.merge, args.head))) > 1 and dist.rank == 0:
             print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
-                  f"by {wgrad}, diagonal merge {merge}")
+                  f"by {wgrad}, diagonal merge {merge}, head loss block {head}")
         for seq in args.seq:
             for on, graphed in itertools.product(modes, graph_modes):
                 fused.enable(on)

@@ -15,7 +15,24 @@ import torch
 
 from hstap.errors import first_line
 
+try:  # Triton, for the hand-written kernels; absent where it is not installed (`triton_available()` says so)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CUDA builds of torch ship Triton, the test environment installs it
+    triton = tl = None
+
 T = TypeVar("T")
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here (it ships with CUDA builds of torch; the CPU test environment installs it)."""
+    return tl is not None
+
+
+def triton_jit(fn):
+    """triton.jit where Triton is installed (the function as it is elsewhere). TRITON_INTERPRET=1, set before
+    Triton is first imported, makes interpreted kernels that run on a CPU (the tests' child processes)."""
+    return triton.jit(fn) if triton is not None else fn
 
 
 class CompiledOr:
@@ -58,7 +75,7 @@ class Kernels:
     def turn_off(self, why: str) -> None:
         if not self.failure:
             self.failure = why
-            print(f"hstap: the {self.what} are off ({why}); continuing with {self.instead}", file=sys.stderr)
+            print(f"hstap: {self.what} off ({why}); continuing with {self.instead}", file=sys.stderr)
 
     def usable(self, device: torch.device) -> bool:
         """Whether they run here: enabled, Triton installed, and (once per process) equal to their PyTorch forms

@@ -19,8 +19,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from hstap.compiling import CompiledOr
+from hstap.compiling import CompiledOr, Kernels, triton_available
 from hstap.errors import first_line
+from hstap.train import head_kernel
 
 CHUNK_BYTES = 1 << 30  # fp32 logits per block: 8,388 positions of a 32,000-token draft vocabulary (on CUDA the block
 # holds them in bf16, with their bf16 gradient: 1 GiB). Larger blocks, fewer read-modify-writes of the fp32 weight
@@ -122,12 +123,32 @@ def block_numbers_inplace(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tens
 COMPILED_BLOCK = CompiledOr(block_numbers, "head loss", "the eager one")  # `.failure` once it failed
 
 
+HEAD_KERNEL = Kernels("Triton head-loss kernel", "the compiled head loss",
+                      lambda device: head_kernel.check(device, block_numbers), triton_available)
+
+
 def _block_fn(device: torch.device):
-    """`block_numbers` compiled on CUDA (dynamic shapes: the last block of a step is shorter), its in-place form
-    elsewhere and after a failed compile."""
-    if device.type != "cuda" or COMPILED_BLOCK.failure:
+    """On CUDA the Triton kernel (hstap.train.head_kernel), else `block_numbers` compiled (dynamic shapes: the
+    last block is shorter); its in-place form elsewhere and after failures."""
+    if device.type != "cuda":
         return block_numbers_inplace
-    return lambda *args: COMPILED_BLOCK(args, lambda: block_numbers_inplace(*args))
+    if HEAD_KERNEL.usable(device):
+        return _kernel_block
+    if COMPILED_BLOCK.failure:
+        return block_numbers_inplace
+    return _compiled_block
+
+
+def _compiled_block(*args):
+    return COMPILED_BLOCK(args, lambda: block_numbers_inplace(*args))
+
+
+def _kernel_block(*args):
+    try:
+        return head_kernel.block(*args)
+    except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: the compiled block from now on
+        HEAD_KERNEL.turn_off(first_line(e)[:300])
+        return _compiled_block(*args)
 
 
 def _add_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

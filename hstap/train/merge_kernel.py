@@ -24,30 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from hstap.compiling import Kernels
+from hstap.compiling import Kernels, tl, triton_available, triton_jit
 from hstap.errors import first_line
 
-try:  # absent where Triton is not installed (`available()` says so)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CUDA builds of torch ship Triton, the test environment installs it
-    triton = tl = None
-
-BLOCK_S = 32  # positions per program: four fp32 (32, 128) tiles live at once stay in registers with 4 warps
+BLOCK_S = 32  # positions per program: four fp32 (32, 128) tiles live at once stay in registers with 8 warps
 
 
-def available() -> bool:
-    """Whether Triton imports here (it ships with CUDA builds of torch; the CPU test environment installs it)."""
-    return tl is not None
-
-
-def _jit(fn):
-    """triton.jit where Triton is installed. TRITON_INTERPRET=1, set before Triton is first imported, makes these
-    interpreted kernels that run on a CPU (tests/train/merge_kernel_check.py)."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@triton_jit
 def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
          sq_b, sq_h, sq_s, so_b, so_h, so_s, sl_b, sl_h, sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s,
          sr_b, sr_h, sr_s, st_b, st_h, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
@@ -84,7 +67,7 @@ def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
     tl.store(TOT + b * st_b + h * st_h + rows, m + tl.log(lsum), mask=row_ok)
 
 
-@_jit
+@triton_jit
 def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, steps, NH, G,
               sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sr_b, sr_h, sr_s, st_b, st_h,
               sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s, so_b, so_h, so_s, sl_b, sl_h,
@@ -131,7 +114,7 @@ def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, st
              (dq * scale).to(DQ.dtype.element_ty), mask=tile)
 
 
-@_jit
+@triton_jit
 def _bwd_keys(Q, DO, DD, P, DK, DV, scale, S, steps, NKV, G,
               sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sp_b, sp_h, sp_k, sdk_b, sdk_h, sdk_k, sdk_s,
               sdv_b, sdv_h, sdv_k, sdv_s, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
@@ -287,8 +270,8 @@ def check(device: torch.device) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-KERNELS = Kernels("Triton TTT merge kernels", "the compiled merge", check, available)  # `.enabled = False`: the
-# compiled merge wherever these would run (bench/train_throughput.py --merge times both); `.failure`
+# `.enabled = False`: the compiled merge wherever these would run (bench/train_throughput.py --merge times both)
+KERNELS = Kernels("Triton TTT merge kernels", "the compiled merge", check, triton_available)
 
 
 class TritonMerge(torch.autograd.Function):

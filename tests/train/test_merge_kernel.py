@@ -61,8 +61,8 @@ def test_a_failing_kernel_is_said_once_and_the_merge_goes_on_without_it(monkeypa
     assert merge_kernel.merge(*args, 0.5) is None  # later calls: off, silently
     assert merge_kernel.KERNELS.failure == "forward: RuntimeError: PTX not supported"
     assert capsys.readouterr().err.strip().splitlines() == [
-        "hstap: the Triton TTT merge kernels are off (forward: RuntimeError: PTX not supported); continuing with "
-        "the compiled merge"]
+        "hstap: Triton TTT merge kernels off (forward: RuntimeError: PTX not supported); continuing with the "
+        "compiled merge"]
 
 
 @pytest.mark.gpu
