@@ -33,7 +33,8 @@ SLOWEST_FIRST = ["train/test_run.py", "synth/test_server.py", "capture/test_tens
                  "runtime/test_engine.py", "synth/test_run.py", "runtime/test_fused_drafter.py",
                  "train/test_learning.py", "capture/test_run_faults.py", "train/test_simulated_tau.py",
                  "capture/test_sglang.py", "serve/test_supervisor_faults.py", "train/test_init_grow.py",
-                 "synth/test_prompts.py", "drafter/test_shipped.py", "data/test_loops.py", "synth/test_magpie.py"]
+                 "synth/test_prompts.py", "drafter/test_shipped.py", "data/test_loops.py", "synth/test_magpie.py",
+                 "train/test_merge_kernel.py"]
 
 
 def _schedule_rank(item) -> int:
