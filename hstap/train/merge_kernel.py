@@ -31,29 +31,35 @@ BLOCK_S = 32  # positions per program: four fp32 (32, 128) tiles live at once st
 
 
 @triton_jit
-def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
-         sq_b, sq_h, sq_s, so_b, so_h, so_s, sl_b, sl_h, sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s,
-         sr_b, sr_h, sr_s, st_b, st_h, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def _head_rows(pid_s, pid_bh, NH, G, S, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """A program's (batch, query head, key/value head) and its block of positions: rows, columns and masks."""
     b = pid_bh // NH
     h = pid_bh % NH
-    kvh = h // G
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HD_P2)
     row_ok = rows < S
-    tile = row_ok[:, None] & (cols[None, :] < HD)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + cols[None, :], mask=tile, other=0.0)
-    q = q.to(tl.float32)
-    acc = tl.load(O + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], mask=tile, other=0.0)
-    acc = acc.to(tl.float32)
+    return b, h, h // G, rows, cols, row_ok, row_ok[:, None] & (cols[None, :] < HD)
+
+
+@triton_jit
+def _tile(T, b, h, sb, sh, ss, rows, cols, tile):
+    """The (BLOCK, HD) tile of a (B, heads, S, hd) tensor at batch b, head h, in fp32 (zeros outside)."""
+    return tl.load(T + b * sb + h * sh + rows[:, None] * ss + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+
+
+@triton_jit
+def _fwd(Q, O, LSE, KD, VD, OUT, TOT, scale, S, steps, NH, G,
+         sq_b, sq_h, sq_s, so_b, so_h, so_s, sl_b, sl_h, sk_b, sk_h, sk_k, sk_s, sv_b, sv_h, sv_k, sv_s,
+         sr_b, sr_h, sr_s, st_b, st_h, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
+    b, h, kvh, rows, cols, row_ok, tile = _head_rows(tl.program_id(0), tl.program_id(1), NH, G, S, HD, HD_P2,
+                                                     BLOCK)
+    q = _tile(Q, b, h, sq_b, sq_h, sq_s, rows, cols, tile)
+    acc = _tile(O, b, h, so_b, so_h, so_s, rows, cols, tile)
     m = tl.load(LSE + b * sl_b + h * sl_h + rows, mask=row_ok, other=0.0).to(tl.float32)
     lsum = tl.full([BLOCK], 1.0, tl.float32)  # the prefix's weight exp(L − m), m = L so far
     for i in range(steps):
-        k = tl.load(KD + b * sk_b + kvh * sk_h + i * sk_k + rows[:, None] * sk_s + cols[None, :], mask=tile,
-                    other=0.0).to(tl.float32)
-        v = tl.load(VD + b * sv_b + kvh * sv_h + i * sv_k + rows[:, None] * sv_s + cols[None, :], mask=tile,
-                    other=0.0).to(tl.float32)
+        k = _tile(KD + i * sk_k, b, kvh, sk_b, sk_h, sk_s, rows, cols, tile)
+        v = _tile(VD + i * sv_k, b, kvh, sv_b, sv_h, sv_s, rows, cols, tile)
         d = tl.sum(q * k, axis=1) * scale
         m_new = tl.maximum(m, d)
         alpha = tl.exp(m - m_new)
@@ -75,36 +81,24 @@ def _bwd_rows(Q, DO, R, TOT, KD, VD, O, LSE, DQ, DOUT, DLSE, DD, P, scale, S, st
               HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr, PREFIX: tl.constexpr):
     """Per query head and block of positions: dq's diagonal share, d_out and d_lse (PREFIX), and each diagonal
     key's dd_i and p_i (B, nh, k, S) for `bwd_keys`."""
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // NH
-    h = pid_bh % NH
-    kvh = h // G
-    rows = pid_s * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HD_P2)
-    row_ok = rows < S
-    tile = row_ok[:, None] & (cols[None, :] < HD)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + cols[None, :], mask=tile, other=0.0)
-    q = q.to(tl.float32)
-    do = tl.load(DO + b * sd_b + h * sd_h + rows[:, None] * sd_s + cols[None, :], mask=tile, other=0.0)
-    do = do.to(tl.float32)
-    merged = tl.load(R + b * sr_b + h * sr_h + rows[:, None] * sr_s + cols[None, :], mask=tile, other=0.0)
-    big_d = tl.sum(do * merged.to(tl.float32), axis=1)  # D = rowsum(dO ⊙ merged)
+    b, h, kvh, rows, cols, row_ok, tile = _head_rows(tl.program_id(0), tl.program_id(1), NH, G, S, HD, HD_P2,
+                                                     BLOCK)
+    q = _tile(Q, b, h, sq_b, sq_h, sq_s, rows, cols, tile)
+    do = _tile(DO, b, h, sd_b, sd_h, sd_s, rows, cols, tile)
+    big_d = tl.sum(do * _tile(R, b, h, sr_b, sr_h, sr_s, rows, cols, tile), axis=1)  # D = rowsum(dO ⊙ merged)
     total = tl.load(TOT + b * st_b + h * st_h + rows, mask=row_ok, other=0.0)
     if PREFIX:
-        out = tl.load(O + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], mask=tile, other=0.0)
+        out = _tile(O, b, h, so_b, so_h, so_s, rows, cols, tile)
         lse = tl.load(LSE + b * sl_b + h * sl_h + rows, mask=row_ok, other=0.0).to(tl.float32)
         w0 = tl.exp(lse - total)
         tl.store(DOUT + b * sdo_b + h * sdo_h + rows[:, None] * sdo_s + cols[None, :],
                  (w0[:, None] * do).to(DOUT.dtype.element_ty), mask=tile)
-        tl.store(DLSE + b * sdl_b + h * sdl_h + rows, w0 * (tl.sum(do * out.to(tl.float32), axis=1) - big_d),
+        tl.store(DLSE + b * sdl_b + h * sdl_h + rows, w0 * (tl.sum(do * out, axis=1) - big_d),
                  mask=row_ok)
     dq = tl.zeros([BLOCK, HD_P2], tl.float32)
     for i in range(steps):
-        k = tl.load(KD + b * sk_b + kvh * sk_h + i * sk_k + rows[:, None] * sk_s + cols[None, :], mask=tile,
-                    other=0.0).to(tl.float32)
-        v = tl.load(VD + b * sv_b + kvh * sv_h + i * sv_k + rows[:, None] * sv_s + cols[None, :], mask=tile,
-                    other=0.0).to(tl.float32)
+        k = _tile(KD + i * sk_k, b, kvh, sk_b, sk_h, sk_s, rows, cols, tile)
+        v = _tile(VD + i * sv_k, b, kvh, sv_b, sv_h, sv_s, rows, cols, tile)
         p = tl.exp(tl.sum(q * k, axis=1) * scale - total)
         dd = p * (tl.sum(do * v, axis=1) - big_d)
         dq += dd[:, None] * k
@@ -119,25 +113,19 @@ def _bwd_keys(Q, DO, DD, P, DK, DV, scale, S, steps, NKV, G,
               sq_b, sq_h, sq_s, sd_b, sd_h, sd_s, sp_b, sp_h, sp_k, sdk_b, sdk_h, sdk_k, sdk_s,
               sdv_b, sdv_h, sdv_k, sdv_s, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr):
     """Per key/value head, diagonal key and block of positions: dk_i and dv_i summed over the G query heads."""
-    pid_s = tl.program_id(0)
     pid = tl.program_id(1)
-    b = pid // (NKV * steps)
-    kvh = (pid // steps) % NKV
     i = pid % steps
-    rows = pid_s * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HD_P2)
-    row_ok = rows < S
-    tile = row_ok[:, None] & (cols[None, :] < HD)
+    b, kvh, _, rows, cols, row_ok, tile = _head_rows(tl.program_id(0), pid // steps, NKV, 1, S, HD, HD_P2, BLOCK)
     dk = tl.zeros([BLOCK, HD_P2], tl.float32)
     dv = tl.zeros([BLOCK, HD_P2], tl.float32)
     for g in range(G):
         h = kvh * G + g
-        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + cols[None, :], mask=tile, other=0.0)
-        do = tl.load(DO + b * sd_b + h * sd_h + rows[:, None] * sd_s + cols[None, :], mask=tile, other=0.0)
+        q = _tile(Q, b, h, sq_b, sq_h, sq_s, rows, cols, tile)
+        do = _tile(DO, b, h, sd_b, sd_h, sd_s, rows, cols, tile)
         dd = tl.load(DD + b * sp_b + h * sp_h + i * sp_k + rows, mask=row_ok, other=0.0)
         p = tl.load(P + b * sp_b + h * sp_h + i * sp_k + rows, mask=row_ok, other=0.0)
-        dk += dd[:, None] * q.to(tl.float32)
-        dv += p[:, None] * do.to(tl.float32)
+        dk += dd[:, None] * q
+        dv += p[:, None] * do
     tl.store(DK + b * sdk_b + kvh * sdk_h + i * sdk_k + rows[:, None] * sdk_s + cols[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=tile)
     tl.store(DV + b * sdv_b + kvh * sdv_h + i * sdv_k + rows[:, None] * sdv_s + cols[None, :],

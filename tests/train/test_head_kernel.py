@@ -4,9 +4,6 @@ costs one line on stderr and the block goes on compiled."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +11,11 @@ import torch
 
 from hstap.compiling import Kernels
 from hstap.train import head_kernel, loss
-
-CHECK = Path(__file__).with_name("head_kernel_check.py")
+from tests.train.interpreted import run_interpreted
 
 
 def test_the_kernel_interpreted_on_the_cpu_equals_block_numbers():
-    pytest.importorskip("triton")  # installed by make test (requirements-engines.txt); CUDA torch ships it
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("head kernel: ok")
+    run_interpreted(Path(__file__).with_name("head_kernel_check.py"), "head kernel: ok")
 
 
 def test_a_failing_kernel_is_said_once_and_the_block_goes_on_compiled(monkeypatch, capsys):

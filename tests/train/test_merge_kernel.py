@@ -5,9 +5,6 @@ costs one line on stderr and the merge goes on another way."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +13,11 @@ import torch
 from hstap.compiling import Kernels
 from hstap.train import merge_kernel
 from hstap.train.merge_kernel import diagonal_forward
-
-CHECK = Path(__file__).with_name("merge_kernel_check.py")
+from tests.train.interpreted import run_interpreted
 
 
 def test_the_kernels_interpreted_on_the_cpu_equal_their_pytorch_forms():
-    pytest.importorskip("triton")  # installed by make test (requirements-engines.txt); CUDA torch ships it
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("merge kernels: ok")
+    run_interpreted(Path(__file__).with_name("merge_kernel_check.py"), "merge kernels: ok")
 
 
 def test_the_backward_reference_equals_autograd_through_the_merge():
