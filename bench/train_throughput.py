@@ -35,6 +35,7 @@ import time
 import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
+from hstap.errors import first_line
 from hstap.metrics import tokens_per_second
 from hstap.train import distributed
 from hstap.train import attention, merge_kernel, shared
@@ -252,9 +253,18 @@ def main() -> None:
         for seq in args.seq:
             for on, graphed in itertools.product(modes, graph_modes):
                 fused.enable(on)
-                measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed)
+                try:
+                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed)
+                except Exception as e:  # noqa: BLE001 — one configuration that fails (a kernel a GPU refuses) must
+                    # not cost the others their measurement: said in one line, and the next one runs
+                    if dist.enabled:
+                        raise  # the other ranks would wait on a collective this rank skipped
+                    opt.zero_grad(set_to_none=True)
+                    print(f"seq {seq} [{backend}, graphed {graphed}]: failed: {first_line(e)}")
+                    if args.json:
+                        print(json.dumps({"seq": seq, "attention": backend, "graphed": graphed, "wgrad": wgrad,
+                                          "merge": merge, "head": head, "error": first_line(e)}))
     if dist.enabled:
-
         torch.distributed.destroy_process_group()
 
 
