@@ -27,7 +27,9 @@ import torch
 from hstap.compiling import Kernels, tl, triton_available, triton_jit
 from hstap.errors import first_line
 
-BLOCK_S = 32  # positions per program: four fp32 (32, 128) tiles live at once stay in registers with 8 warps
+BLOCK_S = 8  # positions per program. Compiled for an H200 (sm_90, heads of 128, 8 warps; registers read from the
+# cubin with cuobjdump, no GPU needed): 64-78 registers a thread, 3 programs an SM; at 32 positions 240-254, one
+# program (8 warps) an SM, too few loads in flight for a kernel that only moves bytes
 
 
 @triton_jit
@@ -139,8 +141,8 @@ def _strides(t: torch.Tensor, n: int) -> tuple[int, ...]:
 
 
 def _warps(hd: int) -> int:
-    """8 warps for heads over 64: four fp32 (BLOCK_S, 128) tiles in flight are 64 registers a thread at 256
-    threads, 128 at the default 128 (where they would spill)."""
+    """8 warps for heads over 64 (half the registers a thread of 4 warps, at 8 positions a program: 64-78 against
+    124-139), 4 for smaller heads."""
     return 8 if hd > 64 else 4
 
 

@@ -13,7 +13,7 @@ import torch.nn.attention.flex_attention as fa
 from hstap.train import attention, merge_kernel
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-FP32 = dict(rtol=1e-5, atol=1e-5)
+FP32 = dict(rtol=1e-4, atol=5e-5)  # fp32 sums in another order; a wrong kernel is off by O(1)
 
 
 def case(b: int, nh: int, nkv: int, s: int, hd: int, steps: int, dtype: torch.dtype, tol: dict) -> None:
@@ -65,12 +65,12 @@ def flex_path_with_the_kernels() -> None:
 
 
 if __name__ == "__main__":
-    case(2, 4, 2, 37, 16, 3, torch.float32, FP32)  # two sequences of an odd length: a partly masked last block
-    case(1, 8, 2, 64, 12, 1, torch.float32, FP32)  # one diagonal key; a head dim that is not a power of two
-    case(1, 4, 1, 33, 16, 6, torch.float32, FP32)  # one key/value head for all four query heads, six keys
+    case(2, 4, 2, 21, 16, 3, torch.float32, FP32)  # two sequences of an odd length: a partly masked last block
+    case(1, 8, 2, 24, 12, 1, torch.float32, FP32)  # one diagonal key; a head dim that is not a power of two
+    case(1, 4, 1, 19, 16, 6, torch.float32, FP32)  # one key/value head for all four query heads, six keys
     # bf16 in and out: the kernels and the PyTorch forms both compute in fp32 and round once, so they differ by
     # at most a rounding step (1 in 2**8) of the larger value
-    case(1, 4, 2, 37, 16, 3, torch.bfloat16, dict(rtol=2 ** -7, atol=2 ** -7))
+    case(1, 4, 2, 21, 16, 3, torch.bfloat16, dict(rtol=2 ** -7, atol=2 ** -7))
     merge_kernel.check(torch.device("cpu"))
     flex_path_with_the_kernels()
     print("merge kernels: ok")
