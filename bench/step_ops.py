@@ -228,20 +228,23 @@ def trace_step(shape: str = "8b", draft_vocab: int = 32000, seq: int = 2048, bat
 
 
 def summary(ops: list[Op], matmul_tflops: float, bandwidth_tbs: float, top: int) -> str:
+    """The census as text: matmul FLOPs and their time, the other operators' bytes and theirs, the `top` operators
+    by bytes moved (calls, GB, ms at `bandwidth_tbs`)."""
+    ms = lambda nbytes: 1e3 * nbytes / (bandwidth_tbs * 1e12)  # noqa: E731
     flops = sum(op.flops for op in ops)
     moved = [op for op in ops if not op.flops]
     total = sum(op.bytes for op in moved)
     lines = [f"matmuls: {flops / 1e12:.2f} TFLOP, {1e3 * flops / (matmul_tflops * 1e12):.1f} ms at "
              f"{matmul_tflops:g} TFLOP/s",
-             f"everything else: {total / 1e9:.2f} GB in {len(moved)} operators, {1e3 * total / (bandwidth_tbs * 1e12):.1f} "
-             f"ms at {bandwidth_tbs:g} TB/s"]
+             f"everything else: {total / 1e9:.2f} GB in {len(moved)} operators, {ms(total):.1f} ms at "
+             f"{bandwidth_tbs:g} TB/s"]
     by_name = collections.defaultdict(lambda: [0, 0])
     for op in moved:
         by_name[(op.phase, op.name)][0] += 1
         by_name[(op.phase, op.name)][1] += op.bytes
     lines.append(f"{'phase':10s} {'operator':44s} {'calls':>5s} {'GB':>7s} {'ms':>6s}")
     for (phase, name), (calls, nbytes) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-        lines.append(f"{phase:10s} {name:44s} {calls:5d} {nbytes / 1e9:7.2f} {1e3 * nbytes / (bandwidth_tbs * 1e12):6.2f}")
+        lines.append(f"{phase:10s} {name:44s} {calls:5d} {nbytes / 1e9:7.2f} {ms(nbytes):6.2f}")
     return "\n".join(lines)
 
 

@@ -160,9 +160,9 @@ def merge_forward(q, out, lse, k_diag, v_diag, scale: float) -> tuple[torch.Tens
     total = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
     grid = (-(-s // BLOCK_S), b * nh)
     _fwd[grid](q, out, lse, k_diag, v_diag, merged, total, scale, s, steps, nh, nh // nkv,
-              *_strides(q, 3), *_strides(out, 3), *_strides(lse, 2), *_strides(k_diag, 4), *_strides(v_diag, 4),
-              *_strides(merged, 3), *_strides(total, 2),
-              HD=hd, HD_P2=max(16, 1 << (hd - 1).bit_length()), BLOCK=BLOCK_S, num_warps=_warps(hd))
+               *_strides(q, 3), *_strides(out, 3), *_strides(lse, 2), *_strides(k_diag, 4), *_strides(v_diag, 4),
+               *_strides(merged, 3), *_strides(total, 2),
+               HD=hd, HD_P2=max(16, 1 << (hd - 1).bit_length()), BLOCK=BLOCK_S, num_warps=_warps(hd))
     return merged, total
 
 
@@ -180,14 +180,14 @@ def merge_backward(q, d_merged, merged, total, k_diag, v_diag, scale: float, out
     hd_p2 = max(16, 1 << (hd - 1).bit_length())
     grid = (-(-s // BLOCK_S), b * nh)
     _bwd_rows[grid](q, d_merged, merged, total, k_diag, v_diag, out_, lse_, dq, d_out, d_lse, dd, p, scale, s, steps,
-               nh, nh // nkv, *_strides(q, 3), *_strides(d_merged, 3), *_strides(merged, 3), *_strides(total, 2),
-               *_strides(k_diag, 4), *_strides(v_diag, 4), *_strides(out_, 3), *_strides(lse_, 2),
-               *_strides(dq, 3), *_strides(d_out, 3), *_strides(d_lse, 2), *_strides(dd, 3),
-               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, PREFIX=prefix, num_warps=_warps(hd))
+                    nh, nh // nkv, *_strides(q, 3), *_strides(d_merged, 3), *_strides(merged, 3), *_strides(total, 2),
+                    *_strides(k_diag, 4), *_strides(v_diag, 4), *_strides(out_, 3), *_strides(lse_, 2),
+                    *_strides(dq, 3), *_strides(d_out, 3), *_strides(d_lse, 2), *_strides(dd, 3),
+                    HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, PREFIX=prefix, num_warps=_warps(hd))
     grid = (-(-s // BLOCK_S), b * nkv * steps)
     _bwd_keys[grid](q, d_merged, dd, p, dk, dv, scale, s, steps, nkv, nh // nkv, *_strides(q, 3),
-               *_strides(d_merged, 3), *_strides(dd, 3), *_strides(dk, 4), *_strides(dv, 4),
-               HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, num_warps=_warps(hd))
+                    *_strides(d_merged, 3), *_strides(dd, 3), *_strides(dk, 4), *_strides(dv, 4),
+                    HD=hd, HD_P2=hd_p2, BLOCK=BLOCK_S, num_warps=_warps(hd))
     return dq, dk, dv, (d_out if prefix else None), (d_lse if prefix else None)
 
 
