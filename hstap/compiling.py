@@ -60,9 +60,9 @@ class Kernels:
     """Hand-written (Triton) kernels with a way back: checked once per process against their PyTorch forms on the
     device, the first failure or disagreement said once on stderr, the caller's other path from then on.
 
-        MERGE = Kernels("Triton TTT merge kernels", "the compiled merge", check)
-        if MERGE.usable(q.device): ...            # else the other path
-        MERGE.turn_off("backward: ...")          # a call that failed later
+        MERGE = Kernels("Triton TTT merge kernels", "the compiled merge", check, triton_available)
+        if MERGE.usable(q.device):                                   # else the other path
+            out = MERGE.call(kernel, args, lambda: other(*args))    # a call that fails: said once, `other` after
     """
 
     def __init__(self, what: str, instead: str, check: Callable[[torch.device], None],
@@ -89,3 +89,13 @@ class Kernels:
             except Exception as e:  # noqa: BLE001 — a compiler or a kernel that fails must not end a training run
                 self.turn_off(first_line(e)[:300])
         return not self.failure
+
+    def call(self, kernel: Callable[..., T], args: tuple, instead: Callable[[], T], where: str = "") -> T:
+        """kernel(*args) while the kernels are on; a call that raises turns them off (said once, `where` before
+        the error's first line) and `instead()` answers it and every later call."""
+        if not self.failure:
+            try:
+                return kernel(*args)
+            except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: the other path from now
+                self.turn_off(f"{where}{first_line(e)}"[:300])
+        return instead()

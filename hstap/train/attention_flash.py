@@ -25,7 +25,6 @@ import torch
 
 from hstap.compiling import CompiledOr
 from hstap.drafter import fused
-from hstap.errors import first_line
 from hstap.train import merge_kernel
 from hstap.train.merge_kernel import diagonal_backward, diagonal_forward
 
@@ -92,10 +91,8 @@ def _run(compiled: CompiledOr, plain, kernel, args: tuple):
     and after failures."""
     if args[0].is_cuda and fused.active():
         if merge_kernel.KERNELS.usable(args[0].device):
-            try:
-                return kernel(*args)
-            except Exception as e:  # noqa: BLE001 — a kernel that fails must not end a training run
-                merge_kernel.KERNELS.turn_off(f"{kernel.__name__}: {first_line(e)}"[:300])
+            return merge_kernel.KERNELS.call(kernel, args, lambda: compiled(args, lambda: plain(*args)),
+                                             f"{kernel.__name__}: ")
         return compiled(args, lambda: plain(*args))
     return plain(*args)
 

@@ -144,11 +144,7 @@ def _compiled_block(*args):
 
 
 def _kernel_block(*args):
-    try:
-        return head_kernel.block(*args)
-    except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: the compiled block from now on
-        HEAD_KERNEL.turn_off(first_line(e)[:300])
-        return _compiled_block(*args)
+    return HEAD_KERNEL.call(head_kernel.block, args, lambda: _compiled_block(*args))
 
 
 def _add_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from hstap.compiling import Kernels, tl, triton_available, triton_jit
-from hstap.errors import first_line
 
 BLOCK_S = 8  # positions per program. Compiled for an H200 (sm_90, heads of 128, 8 warps; registers read from the
 # cubin with cuobjdump, no GPU needed): 64-78 registers a thread, 3 programs an SM; at 32 positions 240-254, one
@@ -281,13 +280,8 @@ class TritonMerge(torch.autograd.Function):
         if d_merged.stride(-1) != 1:
             d_merged = d_merged.contiguous()
         args = (q, d_merged, merged, total, k_diag, v_diag, ctx.scale, out, lse)
-        if not KERNELS.failure:
-            try:
-                dq, dk, dv, d_out, d_lse = merge_backward(*args)
-                return dq, d_out, d_lse, dk, dv, None
-            except Exception as e:  # noqa: BLE001 — e.g. a shape the check did not compile: PyTorch from now on
-                KERNELS.turn_off(f"backward: {first_line(e)}"[:300])
-        dq, dk, dv, d_out, d_lse = merge_backward_reference(*args)
+        dq, dk, dv, d_out, d_lse = KERNELS.call(merge_backward, args, lambda: merge_backward_reference(*args),
+                                                "backward: ")  # PyTorch after a failure: the forward ran here
         return dq, d_out, d_lse, dk, dv, None
 
 
@@ -296,8 +290,4 @@ def merge(q, out, lse, k_diag, v_diag, scale: float) -> torch.Tensor | None:
     forward that fails turns them off (said once) and returns None."""
     if not KERNELS.usable(q.device):
         return None
-    try:
-        return TritonMerge.apply(q, out, lse, k_diag, v_diag, scale)
-    except Exception as e:  # noqa: BLE001
-        KERNELS.turn_off(f"forward: {first_line(e)}"[:300])
-        return None
+    return KERNELS.call(TritonMerge.apply, (q, out, lse, k_diag, v_diag, scale), lambda: None, "forward: ")
