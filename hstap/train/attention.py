@@ -59,9 +59,7 @@ class TTTAttention:
         if self.backend in ("flash", "cudnn"):
             return self._flash(q, scale)
         if self.backend == "flexdiag":
-            if q.is_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:
-                raise ValueError(f"TTT attention backend 'flexdiag': head_dim {q.shape[-1]} is below the kernel's "
-                                 f"minimum {FLEX_MIN_HEAD_DIM}; use --ttt-attention math or auto")
+            use_flex(self.backend, q.is_cuda, q.shape[-1])  # refuses heads the kernel cannot take, in one line
             return attend_flex_diag(q, self.keys, self.values, scale)
         prefix = causal_prefix_flex if use_flex(self.backend, q.is_cuda, q.shape[-1]) else causal_prefix_math
         out, lse = prefix(q, self.keys[0], self.values[0], scale)  # (B, nh, S, hd), (B, nh, S) fp32
@@ -72,14 +70,11 @@ class TTTAttention:
     def _flash(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """The step through `FlashTTTAttention`; the step-0 keys are repeated to the query heads once per unroll
         (autograd sums their gradients back)."""
-        if self.backend == "flash" and not flash_supported(q):
-            raise ValueError(f"TTT attention backend 'flash': queries of dtype {q.dtype} and head_dim {q.shape[-1]} "
-                             f"on {q.device.type}; it takes fp16/bf16 on CUDA (fp32 too on a CPU) and heads up to "
-                             f"256: use --ttt-attention auto")
-        if self.backend == "cudnn" and not cudnn_supported(q):
-            raise ValueError(f"TTT attention backend 'cudnn': queries of dtype {q.dtype} and head_dim {q.shape[-1]} "
-                             f"on {q.device.type}; it takes fp16/bf16 on CUDA and heads up to 128: use "
-                             f"--ttt-attention auto")
+        supported, takes = {"flash": (flash_supported, "fp16/bf16 on CUDA (fp32 too on a CPU) and heads up to 256"),
+                             "cudnn": (cudnn_supported, "fp16/bf16 on CUDA and heads up to 128")}[self.backend]
+        if not supported(q):
+            raise ValueError(f"TTT attention backend '{self.backend}': queries of dtype {q.dtype} and head_dim "
+                             f"{q.shape[-1]} on {q.device.type}; it takes {takes}: use --ttt-attention auto")
         if len(self.keys) == 1:
             self._prefix = tuple(t.repeat_interleave(self.rep, dim=1) for t in (self.keys[0], self.values[0]))
         k_diag = v_diag = None
@@ -90,12 +85,12 @@ class TTTAttention:
 
 def use_flex(backend: str, cuda: bool, head_dim: int) -> bool:
     """Whether `backend` runs the flex kernel here. "auto" falls back to math where the compiled kernel cannot run
-    (a CPU, or heads smaller than it supports: tiny test drafters); an explicit "flex" there is an error, named
-    before the compiler's own page-long one."""
-    if backend == "flex" and cuda and head_dim < FLEX_MIN_HEAD_DIM:
-        raise ValueError(f"TTT attention backend 'flex': head_dim {head_dim} is below the kernel's minimum "
+    (a CPU, or heads smaller than it supports: tiny test drafters); an explicit "flex" or "flexdiag" there is an
+    error, named before the compiler's own page-long one."""
+    if backend in ("flex", "flexdiag") and cuda and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"TTT attention backend '{backend}': head_dim {head_dim} is below the kernel's minimum "
                          f"{FLEX_MIN_HEAD_DIM}; use --ttt-attention math or auto")
-    return backend == "flex" or (backend == "auto" and cuda and head_dim >= FLEX_MIN_HEAD_DIM)
+    return backend in ("flex", "flexdiag") or (backend == "auto" and cuda and head_dim >= FLEX_MIN_HEAD_DIM)
 
 
 def causal_prefix_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -173,16 +173,17 @@ def test_flash_backend_refuses_what_its_kernels_cannot_run_in_one_line():
 
 @pytest.mark.parametrize("backend, cuda, head_dim, flex", [
     ("auto", True, 64, True), ("auto", True, 16, True), ("auto", True, 8, False), ("auto", False, 64, False),
-    ("math", True, 64, False), ("flex", False, 64, True), ("flex", True, 16, True)])
+    ("math", True, 64, False), ("flex", False, 64, True), ("flex", True, 16, True), ("flexdiag", True, 16, True)])
 def test_use_flex_picks_the_kernel_the_device_and_head_size_allow(backend, cuda, head_dim, flex):
     """The first GPU run of the flex test (2026-12-01) failed inside the compiler on 8-wide heads: "auto" now
     falls back to math there."""
     assert use_flex(backend, cuda, head_dim) is flex
 
 
-def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line():
-    with pytest.raises(ValueError, match="head_dim 8 is below the kernel's minimum 16"):
-        use_flex("flex", True, 8)
+@pytest.mark.parametrize("backend", ["flex", "flexdiag"])
+def test_explicit_flex_on_heads_the_kernel_refuses_is_one_line(backend):
+    with pytest.raises(ValueError, match=f"backend '{backend}': head_dim 8 is below the kernel's minimum 16"):
+        use_flex(backend, True, 8)
 
 
 def test_unknown_backend_names_the_valid_ones():
