@@ -154,17 +154,20 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
     peak_gib = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else float("nan")
     peak_gib = dist.agree_max(peak_gib) if cuda else peak_gib
+    backend = getattr(model, "module", model).attention  # under DDP, the wrapped TTTModel's
     if dist.rank == 0:
-        print(f"seq {seq} [{getattr(model, 'module', model).attention}, {kernels}]: train step {1000 * step_s:.0f} ms, {tokens_per_second(tokens, step_s):.0f} tok/s over "
-              f"{dist.world_size} rank(s), {tflops:.3g} TFLOP/s of model FLOPs per device: MFU {100 * mfu:.1f}% "
-              f"({100 * of_matmul:.1f}% of the measured matmul rate), peak memory {peak_gib:.1f} GiB per GPU")
+        print(f"seq {seq} [{backend}, {kernels}]: train step {1000 * step_s:.0f} ms, "
+              f"{tokens_per_second(tokens, step_s):.0f} tok/s over {dist.world_size} rank(s), {tflops:.3g} TFLOP/s "
+              f"of model FLOPs per device: MFU {100 * mfu:.1f}% ({100 * of_matmul:.1f}% of the measured matmul "
+              f"rate), peak memory {peak_gib:.1f} GiB per GPU")
         if args.json:
             print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
-                              "mfu": mfu, "matmul_tflops": measured, "attention": getattr(model, "module", model).attention,
+                              "mfu": mfu, "matmul_tflops": measured, "attention": backend,
                               "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
-                              "wgrad": "gemm" if shared.ENABLED else "autograd", "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
+                              "wgrad": "gemm" if shared.ENABLED else "autograd",
+                              "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
                               "merge_kernel_failure": merge_kernel.KERNELS.failure,
                               "head": "triton" if HEAD_KERNEL.enabled else "compiled",
                               "head_kernel_failure": HEAD_KERNEL.failure}))
