@@ -403,3 +403,28 @@ def test_cuda_backends_are_refused_for_training_off_cuda_in_one_line(tmp_path, b
     with pytest.raises(HstapError, match=f"--ttt-attention {backend} trains on CUDA only") as err:
         preflight(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_flexdiag_masks_of_every_length_and_step_count_share_compiled_graphs():
+    """A training run meets many lengths and every step count: dynamo compiles flex attention for the first shape,
+    once more when the key length changes and once more for the query length (dynamic from then on), and never
+    again for the flexdiag masks of new lengths or step counts."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import flex_attention as fa
+
+    from hstap.train import attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    flex = torch.compile(fa.flex_attention, backend="eager")  # dynamo's guards alone, no code generation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for s in (128, 256, 384, 512):
+            for sections in range(1, 6):
+                q = torch.randn(1, 4, s, 16)
+                k, v = torch.randn(1, 2, s * sections, 16), torch.randn(1, 2, s * sections, 16)
+                flex(q, k, v, block_mask=attention._ttt_block_mask(s, sections, q.device), scale=0.25,
+                     enable_gqa=True)
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    torch._dynamo.reset()
