@@ -6,7 +6,7 @@
 #   bash bench/h200_session.sh status    # any later call: progress, and the result files copied into $OUT
 #
 # Phase A (issue 14): drafter training throughput on 1 vs 2 GPUs (8B shape, DDP), tensor-parallel capture of a
-# random 8B checkpoint over 2 GPUs vs 1 (hstap compare) and the tap's overhead on the TP prefill.
+# random 8B checkpoint over 2 GPUs vs 1 (hstap compare, alone and against an fp32 capture) and the tap's overhead on the TP prefill.
 # Phase B starts when the embedded assets are unpacked (.gpu/3/unpack.sh prints ASSETS READY):
 #   B1 GPU tests (issue 11) and the online-trainer benchmark (issue 12) on GPU 1, while GPU 0 writes the prompt
 #      set (ShareGPT all turns + Magpie + stdlib code, issue 12);
@@ -53,6 +53,9 @@ phase_a() {
   step a2_capture_1gpu $HSTAP $cap --out "$RUN/cap1"
   step a2_capture_tp $TR --nproc_per_node 2 -m hstap.cli $cap --out "$RUN/cap2"
   step a2_compare $HSTAP compare "$RUN/cap2" "$RUN/cap1"
+  # the question that matters for bf16 at depth: is the TP capture as close to an fp32 capture as one GPU's is?
+  step a2_capture_fp32 $HSTAP $cap --target-dtype fp32 --dtype fp32 --out "$RUN/cap32"
+  step a2_compare_reference $HSTAP compare "$RUN/cap2" "$RUN/cap1" --reference "$RUN/cap32"
   step a2_tap_overhead_tp $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda --model "$RUN/llama8b" \
     --batch 4 --seq 2048 --reps 6
   bundle

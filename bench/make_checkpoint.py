@@ -30,13 +30,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=list(SHAPES))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--tokenizer-from", type=Path, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     start = time.perf_counter()
-    cfg = LlamaConfig(**SHAPES[args.shape], tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    shape = {**SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
+    cfg = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                       pad_token_id=2)
     torch.manual_seed(0)
     with torch.device(args.device):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.config import LOOPS_HELP, Device, Loops, StoreDtype, TeacherSpec, option, parse_duration
+from hstap.config import LOOPS_HELP, Device, Dtype, Loops, StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
@@ -35,6 +35,9 @@ class CaptureConfig(BaseModel):
     out: Path = option(help="store directory (re-run to resume)")
     layers: str = option("auto", LAYERS_HELP)
     dtype: StoreDtype = option("bf16", DTYPE_HELP)
+    target_dtype: Dtype | None = option(None, "what the target computes in (default: fp32 on CPU, bf16 on CUDA); "
+                                              "fp32 on CUDA captures the reference `hstap compare --reference` "
+                                              "judges two bf16 captures against")
     teacher: TeacherSpec = option(TeacherSpec(), "topk:K (the target's top-k log-probs) or hidden (final norm)",
                                   metavar="topk:K|hidden")
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)

@@ -121,7 +121,13 @@ def target_files(model: str) -> TargetFiles:
 def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
     return StoreMeta(model_id=target.model_id, model_fingerprint=target.fingerprint, layer_ids=layer_ids,
                      hidden_size=target.hidden_size, hidden_dtype=cfg.dtype, teacher=teacher,
-                     extra={"data": cfg.data, "max_tokens": cfg.max_tokens, "loops": cfg.loops})
+                     extra={"data": cfg.data, "max_tokens": cfg.max_tokens, "loops": cfg.loops,
+                            "target_dtype": target_dtype_name(cfg)})
+
+
+def target_dtype_name(cfg: CaptureConfig) -> str:
+    """What the target computes in: `--target-dtype`, else load_target's default for the device."""
+    return cfg.target_dtype or ("fp32" if cfg.device == "cpu" else "bf16")
 
 
 def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
@@ -139,7 +145,8 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     layer_ids = parse_layers(cfg.layers, files.num_layers)
     if parallel and int(os.environ.get("RANK", "0")) != 0:
         with StopSignals() as stop:
-            target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
+            target = load_target(cfg.model, device=cfg.device, dtype=torch_dtype(target_dtype_name(cfg)),
+                                 tensor_parallel=parallel)
             result = _follow_rank0(target, samples, cfg, report, stop)
         stop.raise_if_stopped(f"rank {os.environ['RANK']} stopped with rank 0, which commits the store")
         return result
@@ -158,7 +165,8 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
         fault_point("capture-checked")
         tap_report, seconds = TapReport(), 0.0
         if todo or parallel:  # a finished store needs no model
-            target = load_target(cfg.model, device=cfg.device, tensor_parallel=parallel)
+            target = load_target(cfg.model, device=cfg.device, dtype=torch_dtype(target_dtype_name(cfg)),
+                                 tensor_parallel=parallel)
             fault_point("model-loaded")
             if parallel:  # the other ranks run exactly these forwards
                 torch.distributed.broadcast_object_list([[s.id for s in todo]], src=0)

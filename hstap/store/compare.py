@@ -15,6 +15,17 @@ bound is `--min-cos` or the step's own 1 - step**2/2 where that is lower (fp8: 0
 An fp8 store is read dequantised, so it compares against a bf16 capture of the same data directly. Layer ids are
 compared as stored (canonical in both), so a store captured with an off-by-one layer convention shows up as a
 large error on every layer, not as a silent pass.
+
+    hstap compare runs/tp runs/one-gpu --reference runs/fp32     # two bf16 captures judged against an fp32 one
+
+With `--reference R` the verdict asks another question: is each store as close to the truth as the other? Two
+bf16 captures of a deep model differ by more than bf16's rounding step even when both are right: every layer
+rounds, the next layers carry the rounding on, and a tensor-parallel all-reduce rounds in its own order (two H200s,
+an 8B shape: 5 % apart at layer 28; docs/distributed.md). So each of A and B is compared with R, a capture of the same conversations computed
+in a finer dtype (`hstap capture --target-dtype fp32`), and passes when its error is within `--within` times the
+other's (or within its dtype's tolerance, as above): MATCH means neither is measurably further from R than the
+other. The cosine bound is scaled alike: 1 - cos grows as the error's square, so by `within` squared. A fault —
+a wrong layer, a norm's epsilon, a scaled weight — puts one capture many times further from R than the other.
 """
 
 from __future__ import annotations
@@ -53,16 +64,26 @@ class Comparison:
     per_sample: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     rtol: float = 1e-2
     min_cos: float = 0.999
+    reference: str | None = None  # --reference R: the verdict judges A and B each against R
+    within: float = 2.0
+    vs_reference: dict[str, dict[str, TensorStat]] = field(default_factory=dict)  # "A"/"B" -> tensor -> stat
+    not_in_reference: list[str] = field(default_factory=list)  # common to A and B, absent from R: not judged
+
+    def judged(self) -> dict[str, TensorStat]:
+        """The statistics the verdict rests on, by label: A–B's own, or each store's against the reference."""
+        if self.reference is None:
+            return dict(self.tensors)
+        return {f"{name} ({side} vs R)": st for side, stats in self.vs_reference.items() for name, st in stats.items()}
 
     @property
     def common_match(self) -> bool:
         """Every sample both stores hold agrees (and there is at least one)."""
         return (self.common > 0 and not self.token_mismatch
-                and all(s.max_rel <= s.rtol and s.min_cos >= s.cos_floor for s in self.tensors.values()))
+                and all(s.max_rel <= s.rtol and s.min_cos >= s.cos_floor for s in self.judged().values()))
 
     @property
     def ok(self) -> bool:
-        return self.common_match and not self.only_a and not self.only_b
+        return self.common_match and not self.only_a and not self.only_b and not self.not_in_reference
 
     @property
     def status(self) -> str:
@@ -72,20 +93,25 @@ class Comparison:
     def verdict(self) -> str:
         agree = (f"relative error within each tensor's tolerance (≥ {self.rtol:g}) and cosine ≥ its bound "
                  f"(≤ {self.min_cos:g}) on every tensor, identical tokens")
+        if self.reference is not None:
+            agree = (f"each store's error against the reference {self.reference} within {self.within:g}× the "
+                     f"other's or its dtype's tolerance (≥ {self.rtol:g}) on every tensor, identical tokens")
         if self.ok:
             return f"verdict: MATCH — {self.common} samples, {agree}"
         extra = f"{len(self.only_a)} samples only in A, {len(self.only_b)} only in B"
+        if self.not_in_reference:
+            extra += f", {len(self.not_in_reference)} of the common ones not in the reference"
         if self.common_match:
             return (f"verdict: COMMON MATCH — all {self.common} common samples match ({agree}); {extra}, not "
                     "compared")
         why = []
         if self.common == 0:
             why.append("no common samples")
-        if self.only_a or self.only_b:
+        if self.only_a or self.only_b or self.not_in_reference:
             why.append(extra)
         if self.token_mismatch:
             why.append(f"{len(self.token_mismatch)} samples with different tokens (first {self.token_mismatch[0]!r})")
-        for name, s in self.tensors.items():
+        for name, s in self.judged().items():
             if s.max_rel > s.rtol or s.min_cos < s.cos_floor:
                 why.append(f"{name}: rel err {s.max_rel:.3g} (tolerance {s.rtol:.3g}), cosine {s.min_cos:.6f} "
                            f"(bound {s.cos_floor:.6g}) (sample {s.worst_sample!r})")
@@ -107,13 +133,16 @@ def _flat(sample: dict) -> dict[str, torch.Tensor]:
 
 
 def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: float = 0.999,
-                   keep_per_sample: bool = False) -> Comparison:
-    """Compare the samples two stores have in common, tensor by tensor.
+                   keep_per_sample: bool = False, reference: Path | str | None = None,
+                   within: float = 2.0) -> Comparison:
+    """Compare the samples two stores have in common, tensor by tensor (and each against `reference`, if given).
 
     Raises:
-        HstapError: a directory is not a store, or the two stores share no tensor name to compare.
+        HstapError: a directory is not a store, the two stores share no tensor name to compare, or the reference
+            was computed in a dtype no finer than a store's.
     """
     sa, sb = open_store(a), open_store(b)
+    sr = open_store(reference) if reference is not None else None
     ids_a, ids_b = sa.ids(), set(sb.ids())
     common = [i for i in ids_a if i in ids_b]
     names_a = {n for n in sa.manifest.tensors if n.startswith(("hidden.", "teacher."))}
@@ -123,24 +152,77 @@ def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: fl
                          "(capture both with the same --layers, and --teacher hidden for an engine capture)")
     result = Comparison(a=str(a), b=str(b), common=len(common), only_a=[i for i in ids_a if i not in ids_b],
                         only_b=sorted(ids_b - set(ids_a)), tensors={}, token_mismatch=[], rtol=rtol, min_cos=min_cos)
+    if sr is not None:
+        _check_finer(sr, reference, {a: sa, b: sb})
+        in_reference = set(sr.ids())
+        result.reference, result.within = str(reference), within
+        result.not_in_reference = [i for i in common if i not in in_reference]
+        common = [i for i in common if i in in_reference]
+        result.common = len(common)
     for sid in common:
         x, y = sa[sa.index_of(sid)], sb[sb.index_of(sid)]
-        if not (torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])):
+        pairs = {"A–B": (x, y, sa, sb)}
+        if sr is not None:
+            r = sr[sr.index_of(sid)]
+            pairs.update({"A": (x, r, sa, sr), "B": (y, r, sb, sr)})
+        if not all(_same_tokens(p, q) for p, q, _, _ in pairs.values()):
             result.token_mismatch.append(sid)
             continue
-        fx, fy = _flat(x), _flat(y)
-        for name in sorted(fx.keys() & fy.keys()):
-            st = _stats(fx[name], fy[name])
-            dtype = _coarser(sa, sb, name)
-            agg = result.tensors.setdefault(name, TensorStat(rtol=max(rtol, rounding_step(dtype)),
-                                                             cos_floor=min(min_cos, cosine_floor(dtype))))
-            if st["rel"] > agg.max_rel or st["min_cos"] < agg.min_cos or not agg.worst_sample:
-                agg.worst_sample = sid
-            agg.max_abs, agg.max_rel = max(agg.max_abs, st["max_abs"]), max(agg.max_rel, st["rel"])
-            agg.min_cos = min(agg.min_cos, st["min_cos"])
+        for side, (p, q, sp, sq) in pairs.items():
+            stats = result.tensors if side == "A–B" else result.vs_reference.setdefault(side, {})
+            per_sample = _accumulate(stats, p, q, sp, sq, sid, rtol, min_cos)
             if keep_per_sample:
-                result.per_sample.setdefault(sid, {})[name] = st
+                prefix = "" if side == "A–B" else f"{side} vs R "
+                result.per_sample.setdefault(sid, {}).update({prefix + k: v for k, v in per_sample.items()})
+    if sr is not None:
+        _bound_by_each_other(result.vs_reference, within)
     return result
+
+
+def _same_tokens(x: dict, y: dict) -> bool:
+    return torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+
+
+def _accumulate(stats: dict[str, TensorStat], x: dict, y: dict, sx, sy, sid: str, rtol: float,
+                min_cos: float) -> dict[str, dict[str, float]]:
+    """Fold one sample's differences, tensor by tensor, into `stats`; return the sample's own numbers."""
+    fx, fy = _flat(x), _flat(y)
+    out = {}
+    for name in sorted(fx.keys() & fy.keys()):
+        st = out[name] = _stats(fx[name], fy[name])
+        dtype = _coarser(sx, sy, name)
+        agg = stats.setdefault(name, TensorStat(rtol=max(rtol, rounding_step(dtype)),
+                                                cos_floor=min(min_cos, cosine_floor(dtype))))
+        if st["rel"] > agg.max_rel or st["min_cos"] < agg.min_cos or not agg.worst_sample:
+            agg.worst_sample = sid
+        agg.max_abs, agg.max_rel = max(agg.max_abs, st["max_abs"]), max(agg.max_rel, st["rel"])
+        agg.min_cos = min(agg.min_cos, st["min_cos"])
+    return out
+
+
+def _bound_by_each_other(vs_reference: dict[str, dict[str, TensorStat]], within: float) -> None:
+    """Each store's tolerance against the reference: its dtype's, or `within` times the other store's error,
+    whichever is larger (1 - cosine by `within` squared: it grows as the error's square)."""
+    sides = list(vs_reference)
+    if len(sides) != 2:
+        return
+    for me, other in (sides, sides[::-1]):
+        for name, st in vs_reference[me].items():
+            theirs = vs_reference[other].get(name)
+            if theirs is None:
+                continue
+            st.rtol = max(st.rtol, within * theirs.max_rel)
+            st.cos_floor = min(st.cos_floor, 1.0 - within ** 2 * (1.0 - theirs.min_cos))
+
+
+def _check_finer(sr, reference, stores: dict) -> None:
+    """A reference must be computed in a finer dtype than the captures it judges (where both manifests say)."""
+    ref_dtype = sr.manifest.meta.extra.get("target_dtype")
+    for path, store in stores.items():
+        theirs = store.manifest.meta.extra.get("target_dtype")
+        if ref_dtype and theirs and rounding_step(ref_dtype) >= rounding_step(theirs):
+            raise HstapError(f"--reference {reference}: computed in {ref_dtype}, no finer than {path}'s {theirs}; "
+                             "capture the reference with --target-dtype fp32")
 
 
 def _coarser(sa, sb, name: str) -> str:
@@ -153,9 +235,18 @@ def format_comparison(c: Comparison, per_sample: bool = False) -> str:
              f"({len(c.only_a)} only in A, {len(c.only_b)} only in B)",
              f"  {'tensor':<22} {'max|diff|':>12} {'max rel err':>12} {'tolerance':>10} {'min cosine':>12} "
              f"{'bound':>9}  worst sample"]
-    for name, s in sorted(c.tensors.items(), key=lambda kv: _order(kv[0])):
-        lines.append(f"  {name:<22} {s.max_abs:>12.4g} {s.max_rel:>12.4g} {s.rtol:>10.3g} {s.min_cos:>12.6f} "
-                     f"{s.cos_floor:>9.6g}  {s.worst_sample}")
+    tables = [("", c.tensors)]
+    if c.reference is not None:
+        lines[0] += f"; judged against the reference {c.reference} ({len(c.not_in_reference)} common not in it)"
+        lines[1:1] = ["  A against B (shown; the verdict rests on the tables against the reference):"]
+        tables += [(f"  {side} against the reference (tolerance: its dtype's, or {c.within:g}× the other's error):",
+                    stats) for side, stats in c.vs_reference.items()]
+    for title, stats in tables:
+        if title:
+            lines.append(title)
+        for name, s in sorted(stats.items(), key=lambda kv: _order(kv[0])):
+            lines.append(f"  {name:<22} {s.max_abs:>12.4g} {s.max_rel:>12.4g} {s.rtol:>10.3g} {s.min_cos:>12.6f} "
+                         f"{s.cos_floor:>9.6g}  {s.worst_sample}")
     if per_sample:
         for sid, by_name in c.per_sample.items():
             for name, st in sorted(by_name.items(), key=lambda kv: _order(kv[0])):

@@ -49,5 +49,10 @@ class CompareConfig(BaseModel):
     dir_b: Path = option(help="the second store (the reference of the relative error)", positional=True)
     rtol: float = option(1e-2, "largest relative error ||a-b||/||b|| still a match", gt=0)
     min_cos: float = option(0.999, "lowest per-token cosine similarity still a match", gt=-1, le=1)
+    reference: Path | None = option(None, "a capture of the same samples in a finer dtype (`hstap capture "
+                                          "--target-dtype fp32`): judge A and B each against it, not one "
+                                          "against the other")
+    within: float = option(2.0, "with --reference: how many times the other store's error against it a store's "
+                                "may be", ge=1)
     per_sample: bool = option(False, "print every sample's numbers too")
     as_json: bool = option(False, "machine-readable output", flag="--json")

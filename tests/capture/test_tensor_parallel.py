@@ -81,3 +81,35 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_batch_and_the_store_resum
     # fp32 hidden states keep rtol 1e-5; the fp16 top-k log-probs may round one fp16 step apart (the two-rank
     # all-reduce sums in another order), which `compare` allows for by the stored dtype
     assert result.tensors["hidden.1"].rtol == 1e-5 and result.tensors["teacher.topk_logprobs"].rtol == 2 ** -10
+
+
+def test_bf16_two_rank_capture_is_as_close_to_an_fp32_capture_as_one_process(even_heads_model, tmp_path):
+    """On a GPU the target computes in bf16, and a two-rank capture then differs from a one-process one by more
+    than bf16's step at depth (docs/distributed.md: 5 % at layer 28 of an 8B shape), since each all-reduce rounds
+    its partial sums. `hstap compare --reference` asks the question that matters: is each as close to an fp32
+    capture of the same conversations as the other? Here the same holds on the CPU, with the target in bf16 over
+    two gloo ranks. Each bf16 capture is further from the fp32 one than bf16 storage alone would put it (the
+    target really computed in bf16), and the manifests say what each computed in."""
+    common = ["--data", "sharegpt", "--limit", "8", "--max-tokens", "96", "--batch-tokens", "256",
+              "--layers", "0,1,3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hstap.cli",
+           "capture", "--model", str(even_heads_model), *common, "--target-dtype", "bf16", "--out",
+           str(tmp_path / "tp")]
+    run = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name, dtype in (("one", "bf16"), ("ref", "fp32")):
+        cfg = CaptureConfig(model=str(even_heads_model), data="sharegpt", limit=8, max_tokens=96, batch_tokens=256,
+                            layers="0,1,3", target_dtype=dtype, dtype="fp32" if dtype == "fp32" else "bf16",
+                            out=tmp_path / name)
+        run_capture(cfg, progress=False)
+    stores = {name: open_store(tmp_path / name) for name in ("tp", "one", "ref")}
+    assert {n: s.manifest.meta.extra["target_dtype"] for n, s in stores.items()} == \
+        {"tp": "bf16", "one": "bf16", "ref": "fp32"}
+    result = compare_stores(tmp_path / "tp", tmp_path / "one", reference=tmp_path / "ref")
+    assert result.ok and result.common == 8, result.verdict()
+    ref = stores["ref"]
+    storage_only = max(float((x.bfloat16().double() - x.double()).norm() / x.double().norm())
+                       for i in range(len(ref)) for x in [ref[i]["hidden"][3]])
+    for side in ("A", "B"):
+        assert result.vs_reference[side]["hidden.3"].max_rel > 2 * storage_only

@@ -96,3 +96,73 @@ def test_not_a_store_is_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
     assert "not an hstap store" in capsys.readouterr().err
+
+
+def _truth(i: int) -> dict[str, torch.Tensor]:
+    """Sample `s{i}` as an fp32 reference holds it: the hidden states before any bf16 rounding."""
+    sample = make_sample(i)
+    g = torch.Generator().manual_seed(1000 + i)
+    for k in LAYERS:
+        sample[f"hidden.{k}"] = torch.randn(len(sample["input_ids"]), 16, generator=g)
+    return sample
+
+
+def _rounded_capture(i: int, seed: int, scale: float) -> dict[str, torch.Tensor]:
+    """What a bf16 computation of `_truth(i)` stores: the truth off by rounding that grows with depth (`scale`
+    relative at the last layer), then rounded to bf16; `seed` picks the computation's own summation order."""
+    sample = _truth(i)
+    g = torch.Generator().manual_seed(seed * 7919 + i)
+    for k in LAYERS:
+        x = sample[f"hidden.{k}"]
+        off = torch.randn(x.shape, generator=g) * x.norm() / x.numel() ** 0.5 * scale * k / LAYERS[-1]
+        sample[f"hidden.{k}"] = (x + off).to(torch.bfloat16)
+    return sample
+
+
+def _store(path, meta, ids, make, **meta_changes):
+    with StoreWriter(path, meta.model_copy(update=meta_changes), shard_bytes=4096) as w:
+        for i in ids:
+            w.add(f"s{i}", make(i))
+
+
+def test_reference_judges_two_bf16_captures_by_their_distance_from_an_fp32_one(tmp_path, meta, capsys):
+    """Two right bf16 captures of a deep model differ by more than bf16's step (1.5 % each from the truth at the
+    last layer: ~2 % apart), so A against B is a MISMATCH; against an fp32 capture each is as close as the other:
+    MATCH. A capture four times further from the truth fails, and the verdict names it and the layer."""
+    _store(tmp_path / "ref", meta, range(6), _truth, hidden_dtype="fp32", extra={"target_dtype": "fp32"})
+    for name, seed, scale in (("a", 1, 0.015), ("b", 2, 0.015), ("wrong", 3, 0.06)):
+        _store(tmp_path / name, meta, range(6), lambda i: _rounded_capture(i, seed, scale),
+               extra={"target_dtype": "bf16"})
+    a, b, ref, wrong = (str(tmp_path / n) for n in ("a", "b", "ref", "wrong"))
+    assert compare_stores(a, b).status == "mismatch"
+    c = compare_stores(a, b, reference=ref)
+    assert c.ok and c.common == 6, c.verdict()
+    deep = c.vs_reference["A"]["hidden.26"]
+    assert deep.rtol == 2 * c.vs_reference["B"]["hidden.26"].max_rel and 0.01 < deep.max_rel < deep.rtol
+    assert c.tensors["hidden.26"].max_rel > c.tensors["hidden.26"].rtol  # A–B shown, not judged
+    assert main(["compare", a, b, "--reference", ref]) == 0
+    out = capsys.readouterr().out
+    assert "A against the reference" in out and out.strip().endswith("identical tokens")
+
+    c = compare_stores(wrong, b, reference=ref)
+    assert not c.ok and "hidden.26 (A vs R)" in c.verdict() and "(B vs R)" not in c.verdict()
+    assert "hidden.1 (A vs R)" not in c.verdict()  # the shallow layer is within bf16's own step
+    assert main(["compare", wrong, b, "--reference", ref, "--within", "5"]) == 0  # the user's own, looser bound
+    capsys.readouterr()
+
+
+def test_reference_lacking_samples_or_no_finer_is_said(tmp_path, meta, capsys):
+    _store(tmp_path / "ref", meta, range(4), _truth, hidden_dtype="fp32", extra={"target_dtype": "fp32"})
+    for name in ("a", "b"):
+        _store(tmp_path / name, meta, range(6), lambda i: _rounded_capture(i, 1, 0.001),
+               extra={"target_dtype": "bf16"})
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    c = compare_stores(a, b, reference=tmp_path / "ref")
+    assert c.status == "common-match" and c.common == 4 and c.not_in_reference == ["s4", "s5"]
+    assert "2 of the common ones not in the reference" in c.verdict()
+    assert main(["compare", a, b, "--reference", str(tmp_path / "ref")]) == 3
+    capsys.readouterr()
+    assert main(["compare", a, b, "--reference", b]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hstap: error: --reference {b}: computed in bf16, no finer than {a}'s bf16; capture the "
+                   "reference with --target-dtype fp32")
