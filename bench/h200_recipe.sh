@@ -580,6 +580,37 @@ phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built with
   echo "$(date +%T) MFU DONE" >> "$RUN/progress"
 }
 
+phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of it in one call chain (~15 min;
+  # 2026-12-05, nineteenth session): P1 the 8B drafter step on 1 vs 2 GPUs with today's trainer (the 1.91x of
+  # 2026-12-01 was measured on a 128-ms step; the step is ~75 ms now, so the gradient all-reduce weighs more);
+  # P2 tensor-parallel capture of a random 8B checkpoint against one GPU's, both judged against an fp32 capture
+  # (hstap compare --reference), and the tap's overhead on the TP prefill with both teachers; P3 (b3) online
+  # SmolLM2 training on 2 GPUs vs 1 with --grad-accum 2, and a 2-GPU run preempted after step 20 and resumed on 1.
+  mkdir -p "$RUN/results" "$RUN/figs"
+  local B="bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 \
+    --steps 6 --json"
+  step p1_throughput_1gpu timeout 300 $TR --nproc_per_node 1 $B
+  step p1_throughput_2gpu timeout 300 $TR --nproc_per_node 2 $B
+  bundle
+  wait_assets
+  local tok
+  tok=$($PY -c "from hstap.models.target import resolve_model_dir; print(resolve_model_dir('smollm2')[0])")
+  step p2_checkpoint $PY bench/make_checkpoint.py --shape 8b --out "$RUN/llama8b" --tokenizer-from "$tok"
+  local cap="capture --model $RUN/llama8b --data sharegpt --limit 32 --max-tokens 1024 --device cuda"
+  step p2_capture_1gpu env CUDA_VISIBLE_DEVICES=0 $HSTAP $cap --out "$RUN/cap1"
+  step p2_capture_tp $TR --nproc_per_node 2 -m hstap.cli $cap --out "$RUN/cap2"
+  step p2_capture_fp32 env CUDA_VISIBLE_DEVICES=0 $HSTAP $cap --target-dtype fp32 --dtype fp32 --out "$RUN/cap32"
+  step p2_compare $HSTAP compare "$RUN/cap2" "$RUN/cap1"
+  step p2_compare_reference $HSTAP compare "$RUN/cap2" "$RUN/cap1" --reference "$RUN/cap32"
+  step p2_tap_overhead_tp timeout 300 $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda \
+    --model "$RUN/llama8b" --batch 4 --seq 2048 --reps 6 --teacher hidden --teacher topk:32
+  bundle
+  b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
+    --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
+  bundle
+  echo "$(date +%T) PAIR DONE" >> "$RUN/progress"
+}
+
 phase_more() {  # after a resumed synth (r5): the drafter again on all answers so far, MT-bench, data back
   while ! grep -q "end r5_synth_more" "$RUN/progress"; do sleep 3; done
   data_out
@@ -677,6 +708,7 @@ case ${1:-status} in
   verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
   graphs) launch phase_graphs ;;  # call 1 (with .gpu/1 and .whl): the CUDA-graphed trainer step (phase_graphs)
   mfu) launch phase_mfu ;;  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
+  pair) launch phase_pair ;;  # call 1 on nvidia-h200-x2 (with .gpu/1 and .whl): issue 14's remaining figures
   regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
