@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -48,7 +49,8 @@ class SkippedShard:
 
 
 class Store:
-    """Random access to a committed store. Not thread-safe (the handle cache); DataLoader worker processes are fine.
+    """Random access to a committed store. Threads may read at once (the trainer's batch thread beside held-out
+    evaluation): a lock guards the handle cache and the checksum set; DataLoader worker processes are fine too.
 
     The first read of whole samples from a shard checks that shard's sha256 against the manifest (once per shard
     and process: one extra sequential read of it), so a flipped byte stops the reader with the shard's name
@@ -69,6 +71,7 @@ class Store:
         ]
         self._by_id = {e.id: n for n, (_, e) in enumerate(self._index)}
         self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -88,9 +91,10 @@ class Store:
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
         shard_idx, entry = self._index[i]
-        if keys is None or not keys <= TOKEN_KEYS:
-            self._check_once(shard_idx)
-        handle = self._handle(shard_idx)
+        with self._lock:
+            if keys is None or not keys <= TOKEN_KEYS:
+                self._check_once(shard_idx)
+            handle = self._handle(shard_idx)
         rows = slice(entry.offset, entry.offset + entry.length)
         sample: dict[str, Any] = {"id": entry.id, "hidden": {}, "teacher": {}}
         for name in self.manifest.tensors:
@@ -134,7 +138,10 @@ class Store:
 
     def __getstate__(self) -> dict[str, Any]:
         # Handles don't pickle; DataLoader workers reopen shards themselves.
-        return {**self.__dict__, "_handles": OrderedDict()}
+        return {**self.__dict__, "_handles": OrderedDict(), "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def _check_once(self, shard_idx: int) -> None:
         if not self.checksums or shard_idx in self._verified:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -15,8 +16,9 @@ from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
-from hstap.store.fp8 import dequantize_aux
-from hstap.train.ttt import TTTBatch, collate
+from hstap.store.fp8 import SCALE_PREFIX, dequantize_aux
+from hstap.store.manifest import torch_dtype
+from hstap.train.ttt import TTTBatch, collate, empty_batch
 
 
 class SampleSource(Protocol):
@@ -44,61 +46,148 @@ class BatchSource(Protocol):
     def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def load_batch(source: SampleSource | BatchSource, indices: list[int], layer_ids: list[int],
+def load_batch(source: SampleSource | BatchSource | StoreSource, indices: list[int], layer_ids: list[int],
                device: torch.device) -> TTTBatch:
-    """The batch of `indices` on `device`: a BatchSource makes it there; host samples are collated, then copied.
-    fp8 samples (hstap.store.fp8) are collated and copied as fp8 plus scales and dequantised to bf16 on `device`:
-    the host and the copy handle 1 byte per value, the device's arithmetic does the rest."""
+    """The batch of `indices` on `device`: a BatchSource makes it there, a store's is read and collated on the host
+    (ahead, where `prefetch` asked) and copied; other host samples are collated, then copied."""
     if isinstance(source, BatchSource):
         return source.batch(indices)
-    samples = source.fetch(indices)
-    batch = collate(samples, layer_ids).to(device)
-    if "hidden_scale" not in samples[0]:
-        return batch
-    scales = collate_scales(samples, layer_ids).to(device, non_blocking=True)  # (B, S, n)
-    return dataclasses.replace(batch, aux=dequantize_aux(batch.aux, scales))
+    if isinstance(source, StoreSource):
+        return source.load(indices, layer_ids, device)
+    return fill_host(source.fetch(indices), layer_ids).to(device, None)
 
 
-def collate_scales(samples: list[dict], layer_ids: list[int]) -> torch.Tensor:
-    """The fp8 scales of `samples`, right-padded like `collate`'s aux: (B, S, n layers) fp32, 0 at padding."""
-    longest = max(s["input_ids"].numel() for s in samples)
-    scales = torch.zeros(len(samples), longest, len(layer_ids))
-    for row, s in enumerate(samples):
-        n = s["input_ids"].numel()
-        scales[row, :n] = torch.stack([s["hidden_scale"][k] for k in layer_ids], dim=-1)  # (S, n)
-    return scales
+HIDDEN_TEACHER_K = 32  # top-k a `hidden` teacher becomes: what `hstap capture` stores by default
+TEACHER_LOGITS_BYTES = 256 << 20  # a hidden teacher's logits are made this many bytes of rows at a time
 
 
-def topk_teacher_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int = 32) -> dict[str, torch.Tensor]:
-    """A store captured with `--teacher hidden` keeps the final normed state; the trainer wants top-k log-probs.
-    Computed where `lm_head` lives (the training device when the target sits there), returned where `hidden` was."""
+@torch.no_grad()
+def topk_teacher_batch(hidden: torch.Tensor, valid: torch.Tensor, lm_head: torch.nn.Module,
+                       k: int = HIDDEN_TEACHER_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's `hidden` teacher (B, S, H), on lm_head's device → topk ids (B, S, k) long and log-probs (B, S, k)
+    fp32, rounded through fp16 as a top-k store holds them; padding gets id 0 and -inf, as `collate` pads. Every
+    position is computed, padding too: selecting the valid rows first would read the mask back to the host."""
     weight = lm_head.weight
-    with torch.no_grad():
-        values, ids = topk_logprobs(lm_head(hidden.to(weight.device, weight.dtype)), k)  # (S, k) each
-    return {"topk_ids": ids.to(hidden.device, torch.int32), "topk_logprobs": values.to(hidden.device, torch.float16)}
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (B·S, H)
+    rows = max(1, TEACHER_LOGITS_BYTES // (weight.shape[0] * weight.element_size()))
+    parts = [topk_logprobs(lm_head(flat[i:i + rows].to(weight.dtype)), k) for i in range(0, len(flat), rows)]
+    values = torch.cat([v for v, _ in parts]).view(*hidden.shape[:2], k)
+    ids = torch.cat([i for _, i in parts]).view(*hidden.shape[:2], k)
+    pad = ~valid[..., None]
+    return ids.masked_fill(pad, 0), values.half().float().masked_fill(pad, -float("inf"))
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """A store's batch collated on the host (pinned for a CUDA device), before its copy."""
+
+    batch: TTTBatch  # its teacher fields (B, S, 0) when `teacher_hidden` holds the teacher
+    scales: torch.Tensor | None  # an fp8 store's scales (B, S, n layers)
+    teacher_hidden: torch.Tensor | None  # a `hidden`-teacher store's final normed states (B, S, H)
+
+    def to(self, device: torch.device, lm_head: torch.nn.Module | None) -> TTTBatch:
+        """The TTTBatch on `device`: copied (asynchronously from pinned memory), fp8 dequantised there, a hidden
+        teacher turned into top-k by `lm_head` where it lives (the trainer puts it on the device)."""
+        batch = self.batch.to(device)
+        if self.scales is not None:
+            batch = dataclasses.replace(batch, aux=dequantize_aux(batch.aux, self.scales.to(device, non_blocking=True)))
+        if self.teacher_hidden is not None:
+            if lm_head is None:
+                raise HstapError("store has a `hidden` teacher: the target's lm_head is needed (pass --model)")
+            where = lm_head.weight.device
+            ids, logprobs = topk_teacher_batch(self.teacher_hidden.to(where, non_blocking=True),
+                                               batch.valid.to(where), lm_head)
+            batch = dataclasses.replace(batch, topk_ids=ids.to(device), topk_logprobs=logprobs.to(device))
+        return batch
 
 
 class StoreSource:
-    """Offline: samples read lazily from a capture store."""
+    """Offline: samples read lazily from a capture store. `prefetch(indices)` reads and collates a batch on a host
+    thread while the device trains on the one before it: for an 8B target a 2,048-token batch is ~50 MB of
+    states, ~45 ms of page-ins and copies on a 2-core VM, which the step would otherwise wait for. With `pin` the
+    batch is collated into pinned memory the calling thread allocates (a CUDA call, kept off the worker, which
+    only copies), so its copy to the GPU is asynchronous too."""
 
-    def __init__(self, store, lm_head: torch.nn.Module | None = None):
+    def __init__(self, store, lm_head: torch.nn.Module | None = None, pin: bool = False):
         self.store = store
         self.ids = store.ids()
         self.lengths = [e.length for shard in store.manifest.shards for e in shard.samples]
         self.lm_head = lm_head
+        self.pin = pin
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: dict[tuple, Future] = {}
 
-    def fetch(self, indices: list[int]) -> list[dict]:
-        samples = [self.store.read(i, dequantize=False) for i in indices]  # fp8 stays fp8 until `load_batch`
-        for s in samples:
-            if "hidden" in s["teacher"]:
-                if self.lm_head is None:
-                    raise HstapError("store has a `hidden` teacher: the target's lm_head is needed (pass --model)")
-                s["teacher"] = topk_teacher_from_hidden(s["teacher"]["hidden"], self.lm_head)
-        return samples
+    def prefetch(self, indices: list[int]) -> None:
+        """Start reading and collating the batch `load` will ask for next, in the store's layer order (the
+        trainer's); at most one batch ahead: one never asked for is dropped."""
+        layer_ids = list(self.store.manifest.meta.layer_ids)
+        key = (tuple(indices), tuple(layer_ids))
+        if key in self._pending:
+            return
+        self._pending.clear()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstap-store-batch")
+        into = self.allocate(indices, layer_ids)
+        self._pending[key] = self._worker.submit(self.fill, into, list(indices), layer_ids)
+
+    def load(self, indices: list[int], layer_ids: list[int], device: torch.device) -> TTTBatch:
+        """The batch of `indices` on `device`: the prefetched one if `prefetch` saw it (its errors raised here),
+        else read now."""
+        pending = self._pending.pop((tuple(indices), tuple(layer_ids)), None)
+        if pending is not None:
+            host = pending.result()
+        else:
+            host = self.fill(self.allocate(indices, layer_ids), indices, layer_ids)
+        return host.to(device, self.lm_head)
+
+    def allocate(self, indices: list[int], layer_ids: list[int]) -> HostBatch:
+        """Uninitialised host tensors for the batch of `indices`, shaped from the manifest (pinned with `pin`)."""
+        specs = self.store.manifest.tensors
+        b, s = len(indices), max(self.lengths[i] for i in indices)
+        hidden = specs[f"hidden.{layer_ids[0]}"]
+        aux_dtype = torch_dtype(hidden.dtype)
+        teacher = specs.get("teacher.hidden")
+        k = 0 if teacher is not None else specs["teacher.topk_ids"].shape[-1]
+        batch = empty_batch(b, s, len(layer_ids) * hidden.shape[-1], aux_dtype, k, self.pin)
+        scales = (torch.empty(b, s, len(layer_ids), pin_memory=self.pin)
+                  if f"{SCALE_PREFIX}{layer_ids[0]}" in specs else None)
+        teacher_hidden = (torch.empty(b, s, teacher.shape[-1], dtype=torch_dtype(teacher.dtype), pin_memory=self.pin)
+                          if teacher is not None else None)
+        return HostBatch(batch, scales, teacher_hidden)
+
+    def fill(self, host: HostBatch, indices: list[int], layer_ids: list[int]) -> HostBatch:
+        """Read `indices` into `host` (CPU work only: safe on the worker thread)."""
+        return fill_host([self.store.read(i, dequantize=False) for i in indices], layer_ids, host)
 
     def token_masks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.store.read(index, keys={"input_ids", "loss_mask"})
         return s["input_ids"], s["loss_mask"]
+
+
+def fill_host(samples: list[dict], layer_ids: list[int], host: HostBatch | None = None) -> HostBatch:
+    """Store-format samples → a HostBatch (written into `host` if given, else allocated like them). fp8 states stay
+    fp8 (1 byte a value to copy) with their scales beside; a hidden teacher stays hidden (made top-k where lm_head
+    lives, by `HostBatch.to`)."""
+    first = samples[0]
+    if host is None:
+        b, s = len(samples), max(x["input_ids"].numel() for x in samples)
+        state = first["hidden"][layer_ids[0]]
+        teacher = first["teacher"].get("hidden")
+        k = 0 if teacher is not None else first["teacher"]["topk_ids"].shape[-1]
+        host = HostBatch(empty_batch(b, s, len(layer_ids) * state.shape[-1], state.dtype, k),
+                         torch.empty(b, s, len(layer_ids)) if "hidden_scale" in first else None,
+                         torch.empty(b, s, teacher.shape[-1], dtype=teacher.dtype) if teacher is not None else None)
+    for row, sample in enumerate(samples):
+        n = sample["input_ids"].numel()
+        if host.teacher_hidden is not None:
+            host.teacher_hidden[row, :n] = sample["teacher"]["hidden"]
+            host.teacher_hidden[row, n:] = 0
+            sample["teacher"] = {"topk_ids": torch.zeros(n, 0, dtype=torch.int32), "topk_logprobs": torch.zeros(n, 0)}
+        if host.scales is not None:
+            host.scales[row, :n] = torch.stack([sample["hidden_scale"][k] for k in layer_ids], dim=-1)  # (S, n)
+            host.scales[row, n:] = 0
+    collate(samples, layer_ids, into=host.batch)
+    return host
 
 
 class OnlineSource:

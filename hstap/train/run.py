@@ -13,6 +13,7 @@ evaluation measures τ by real speculative decoding on a few held-out prompts ne
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -108,7 +109,20 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
                          f"the capture of store {cfg.store} (--loops cut)")
     if cfg.limit is not None and cfg.limit < len(store):
         raise HstapError(f"--limit {cfg.limit} is for --online; train on a store of that size instead")
-    return StoreSource(store, lm_head=target.model.get_output_embeddings()), list(meta.layer_ids), meta.teacher
+    head = target.model.get_output_embeddings()
+    if meta.teacher.kind == "hidden":  # its top-k is made per batch where the head lives: there, not on a CPU
+        head = teacher_head(head, device)
+    return StoreSource(store, lm_head=head, pin=device.type == "cuda"), list(meta.layer_ids), meta.teacher
+
+
+def teacher_head(head: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The target's lm_head on the training device, for a store whose teacher is the final hidden state: the target
+    itself stays on the CPU unless it prefills or calibrates, and an 8B head's 2,048 × 4,096 × 128,256 logits a
+    sample are a second of a GPU's time but minutes of a CPU's. A copy (1 GB in bf16 for 8B) where it is elsewhere."""
+    if head.weight.device == device:
+        return head
+    dtype = torch.bfloat16 if device.type == "cuda" else head.weight.dtype
+    return copy.deepcopy(head).to(device, dtype).requires_grad_(False)
 
 
 def _check_store_tensors(path, manifest, layer_ids: list[int]) -> None:
@@ -408,7 +422,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         plan = epoch_plan(state.epoch)
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
             mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
-                                        prefetch=cfg.prefetch and state.step + 1 < total_steps)
+                                        prefetch=(cfg.prefetch or isinstance(source, StoreSource))
+                                        and state.step + 1 < total_steps)
             loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead,
                                                    graphed)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -513,7 +528,7 @@ def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batch
     losses, step_losses, tokens = [], [], 0
     for i, indices in enumerate(batches):
         batch = load_batch(source, indices, layer_ids, device)
-        if ahead[i] is not None and isinstance(source, BatchSource):
+        if ahead[i] is not None and isinstance(source, (BatchSource, StoreSource)):
             source.prefetch(ahead[i])
         if graphed is not None:  # adds (loss / grad_accum)'s gradients, as the backward below does
             loss, stats = graphed(batch, autocast)

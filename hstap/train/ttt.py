@@ -50,28 +50,39 @@ def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def collate(samples: list[dict], layer_ids: list[int]) -> TTTBatch:
-    """Store-format samples (see hstap.store) → one right-padded TTTBatch."""
+def empty_batch(b: int, s: int, width: int, aux_dtype: torch.dtype, k: int, pin: bool = False) -> TTTBatch:
+    """An uninitialised (B, S) batch for `collate` to fill; `pin`: in pinned host memory, so its copy to a CUDA
+    device runs asynchronously (the caller allocates it, on its own thread: pinned allocation is a CUDA call)."""
+    return TTTBatch(aux=torch.empty(b, s, width, dtype=aux_dtype, pin_memory=pin),
+                    input_ids=torch.empty(b, s, dtype=torch.long, pin_memory=pin),
+                    loss_mask=torch.empty(b, s, dtype=torch.bool, pin_memory=pin),
+                    valid=torch.empty(b, s, dtype=torch.bool, pin_memory=pin),
+                    topk_ids=torch.empty(b, s, k, dtype=torch.long, pin_memory=pin),
+                    topk_logprobs=torch.empty(b, s, k, pin_memory=pin))
+
+
+def collate(samples: list[dict], layer_ids: list[int], into: TTTBatch | None = None) -> TTTBatch:
+    """Store-format samples (see hstap.store) → one right-padded TTTBatch (written into `into` if given: an
+    `empty_batch` of exactly this shape). Padding: zero states and ids, False masks, teacher id 0 at -inf."""
     longest = max(s["input_ids"].numel() for s in samples)
-    b = len(samples)
     first = samples[0]
     hid = first["hidden"][layer_ids[0]].shape[-1]
-    k = first["teacher"]["topk_ids"].shape[-1]
-    aux = torch.zeros(b, longest, len(layer_ids) * hid, dtype=first["hidden"][layer_ids[0]].dtype)
-    ids = torch.zeros(b, longest, dtype=torch.long)
-    mask = torch.zeros(b, longest, dtype=torch.bool)
-    valid = torch.zeros(b, longest, dtype=torch.bool)
-    topk_ids = torch.zeros(b, longest, k, dtype=torch.long)
-    topk_lp = torch.full((b, longest, k), -float("inf"))
+    if into is None:
+        into = empty_batch(len(samples), longest, len(layer_ids) * hid, first["hidden"][layer_ids[0]].dtype,
+                           first["teacher"]["topk_ids"].shape[-1])
+    aux, ids, mask, valid, topk_ids, topk_lp = (getattr(into, f) for f in TTTBatch.__dataclass_fields__)
     for row, s in enumerate(samples):
         n = s["input_ids"].numel()
-        aux[row, :n] = torch.cat([s["hidden"][layer] for layer in layer_ids], dim=-1)
+        for j, layer in enumerate(layer_ids):  # straight into place: no concatenated copy per row
+            aux[row, :n, j * hid:(j + 1) * hid] = s["hidden"][layer]
         ids[row, :n] = s["input_ids"]
         mask[row, :n] = s["loss_mask"]
         valid[row, :n] = True
-        topk_ids[row, :n] = s["teacher"]["topk_ids"].long()
-        topk_lp[row, :n] = s["teacher"]["topk_logprobs"].float()
-    return TTTBatch(aux, ids, mask, valid, topk_ids, topk_lp)
+        topk_ids[row, :n] = s["teacher"]["topk_ids"]
+        topk_lp[row, :n] = s["teacher"]["topk_logprobs"]
+        for t, fill in ((aux, 0), (ids, 0), (mask, False), (valid, False), (topk_ids, 0), (topk_lp, -float("inf"))):
+            t[row, n:] = fill
+    return into
 
 
 def shift_windows(x: torch.Tensor, fill, most: int, embed: nn.Embedding | None = None,

@@ -1,0 +1,146 @@
+"""The trainer's store input: the next batch is read and collated on a host thread while the device trains on the
+one before (`StoreSource.prefetch`), into the same tensors a read made on the spot gives; its errors reach the
+trainer when the batch is asked for; a `hidden` teacher becomes top-k per batch where the lm_head lives."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from hstap.capture.teacher import topk_logprobs
+from hstap.errors import HstapError
+from hstap.store import open_store
+from hstap.store.reader import Store
+from hstap.train.data import HIDDEN_TEACHER_K, StoreSource, load_batch
+from hstap.train.run import teacher_head
+from hstap.train.ttt import TTTBatch
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def read_threads(monkeypatch) -> list[str]:
+    """The name of the thread each whole-sample store read ran on."""
+    names: list[str] = []
+    read = Store.read
+
+    def recording(self, i, keys=None, dequantize=True):
+        if keys is None:
+            names.append(threading.current_thread().name)
+        return read(self, i, keys, dequantize)
+
+    monkeypatch.setattr(Store, "read", recording)
+    return names
+
+
+def _assert_collated(batch: TTTBatch, store, indices: list[int], layers: list[int]) -> None:
+    """Row r of `batch` is sample indices[r] as the store holds it, right-padded with zeros, False and -inf."""
+    for row, i in enumerate(indices):
+        sample = store[i]
+        n = sample["input_ids"].numel()
+        want = torch.cat([sample["hidden"][k] for k in layers], dim=-1)
+        assert torch.equal(batch.aux[row, :n], want) and not batch.aux[row, n:].any()
+        assert torch.equal(batch.input_ids[row, :n], sample["input_ids"]) and not batch.input_ids[row, n:].any()
+        assert torch.equal(batch.loss_mask[row, :n], sample["loss_mask"]) and not batch.loss_mask[row, n:].any()
+        assert batch.valid[row, :n].all() and not batch.valid[row, n:].any()
+        assert torch.equal(batch.topk_ids[row, :n], sample["teacher"]["topk_ids"].long())
+        assert torch.equal(batch.topk_logprobs[row, :n], sample["teacher"]["topk_logprobs"].float())
+        assert not batch.topk_ids[row, n:].any() and (batch.topk_logprobs[row, n:] == -float("inf")).all()
+
+
+def test_a_prefetched_batch_is_read_on_the_worker_and_equals_one_read_now(small_store, read_threads):
+    store = open_store(small_store)
+    layers = list(store.manifest.meta.layer_ids)
+    source = StoreSource(store)
+    rows = [35, 0, 34]  # 42, 96 and 75 tokens: two rows padded
+    assert len({source.lengths[i] for i in rows}) == 3
+    source.prefetch(rows)
+    ahead = load_batch(source, rows, layers, CPU)
+    assert read_threads and all(name.startswith("hstap-store-batch") for name in read_threads)
+    read_threads.clear()
+    now = load_batch(source, rows, layers, CPU)
+    assert read_threads == ["MainThread"] * 3
+    for name in TTTBatch.__dataclass_fields__:
+        assert torch.equal(getattr(ahead, name), getattr(now, name)), name
+    _assert_collated(ahead, store, rows, layers)
+
+    # one batch ahead at most: a prefetch nobody asked for is dropped when the next is asked ahead, and a batch
+    # asked for without a prefetch is read then
+    source.prefetch([1, 2])
+    source.prefetch([3, 4])
+    _assert_collated(load_batch(source, [1, 2], layers, CPU), store, [1, 2], layers)
+    _assert_collated(load_batch(source, [3, 4], layers, CPU), store, [3, 4], layers)
+
+
+def test_a_damaged_shard_read_ahead_is_said_when_its_batch_is_asked_for(small_store, tmp_path):
+    copy = tmp_path / "store"
+    shutil.copytree(small_store, copy)
+    store = open_store(copy)
+    shard = copy / store.manifest.shards[0].file
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    source = StoreSource(store)
+    source.prefetch([0, 1])  # the worker meets the damage; nothing is raised on this thread yet
+    with pytest.raises(HstapError, match=rf"{shard.name}: sha256 mismatch") as e:
+        load_batch(source, [0, 1], list(store.manifest.meta.layer_ids), CPU)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def hidden_store(target, tmp_path_factory):
+    """Six real ShareGPT conversations captured with the final normed state as teacher (what engine taps store)."""
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.run import run_capture
+
+    out = tmp_path_factory.mktemp("hidden_teacher") / "store"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("hstap.capture.run.load_target", lambda *a, **k: target)
+        run_capture(CaptureConfig(data="sharegpt", limit=6, max_tokens=96, teacher="hidden", out=out),
+                    progress=False)
+    return out
+
+
+def test_a_hidden_teacher_becomes_the_top_k_of_each_row_where_the_head_lives(hidden_store, target, read_threads):
+    store = open_store(hidden_store)
+    layers = list(store.manifest.meta.layer_ids)
+    head = target.model.get_output_embeddings()
+    source = StoreSource(store, lm_head=head)
+    rows = [2, 0, 4]
+    source.prefetch(rows)
+    batch = load_batch(source, rows, layers, CPU)
+    assert read_threads and all(name.startswith("hstap-store-batch") for name in read_threads)
+    assert batch.topk_ids.shape == (3, batch.aux.shape[1], HIDDEN_TEACHER_K)
+    for row, i in enumerate(rows):
+        sample = store[i]
+        n = sample["input_ids"].numel()
+        with torch.no_grad():
+            values, ids = topk_logprobs(head(sample["teacher"]["hidden"].to(head.weight.dtype)), HIDDEN_TEACHER_K)
+        # the logits of a row do not depend on the rows beside it (fp32 on this CPU): the same ids, and the
+        # log-probs rounded through fp16 as a top-k store holds them
+        assert torch.equal(batch.topk_ids[row, :n], ids)
+        torch.testing.assert_close(batch.topk_logprobs[row, :n], values.half().float(), rtol=2 ** -10, atol=0)
+        assert not batch.topk_ids[row, n:].any() and (batch.topk_logprobs[row, n:] == -float("inf")).all()
+    with pytest.raises(HstapError, match="hidden` teacher: the target's lm_head is needed"):
+        load_batch(StoreSource(store), rows, layers, CPU)
+
+
+def test_the_head_of_a_hidden_teacher_is_put_on_the_training_device(target):
+    """Off the device the teacher's logits would be a CPU's work per batch (minutes a sample at 8B)."""
+    head = target.model.get_output_embeddings()
+    assert teacher_head(head, CPU) is head
+    moved = teacher_head(head, torch.device("meta"))  # a device this CPU has, standing in for the GPU
+    assert moved.weight.device.type == "meta" and not moved.weight.requires_grad
+    assert head.weight.device == CPU  # the target keeps its own
+
+
+def test_training_on_a_store_reads_its_next_batch_ahead(small_store, tmp_path, read_threads):
+    from hstap.train.config import TrainConfig
+    from hstap.train.run import run_train
+
+    run_train(TrainConfig(store=small_store, out=tmp_path / "run", max_steps=3, batch_tokens=512, draft_vocab=2048,
+                          ttt_steps=2, heldout=0.1, seed=0, calib_prompts=0), progress=False)
+    assert any(name.startswith("hstap-store-batch") for name in read_threads), set(read_threads)
