@@ -37,6 +37,7 @@ from hstap.train.data import OnlineSource, load_batch, plan_batches
 from hstap.train.online import DeviceOnlineSource
 from hstap.train.graphed import GraphedTTT
 from hstap.train.run import accumulate
+from hstap.train.steplog import StepLog
 from hstap.train.ttt import TTTModel, autocast
 
 LAYERS = [1, 14, 26]
@@ -77,6 +78,7 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
     # with graphs, every length bucket is captured in an untimed first pass: a run replays the graphs of its first
     # steps for the rest of its epochs, and the timed steps measure that steady state (tokens/s counts real tokens,
     # so the padding to the bucket's shape is paid for)
+    steplog = StepLog(lambda record: None)
     order = (batches[:-1] if graphed else []) + batches  # the last batch is only ever prefetched
     first_timed = len(order) - 1 - len(timed)
     for i, indices in enumerate(order[:-1]):
@@ -84,10 +86,13 @@ def time_path(path: str, sources: dict, batches: list[list[int]], warmup: int, d
             sync()
             start = time.perf_counter()
         ahead = order[i + 1] if prefetch else None
-        accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead], graphed)
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        loss, step_losses = accumulate(model, source, [indices], LAYERS, device, autocast(device), dist, [ahead],
+                                       graphed)
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=graphed is None)
+        steplog.hold({}, loss, norm, step_losses)  # read back a step late, as the trainer does
+    steplog.flush()
     sync()
     step_s = (time.perf_counter() - start) / len(timed)
     fetch = []

@@ -38,12 +38,13 @@ class Dist:
             return model.no_sync()
         return contextlib.nullcontext()
 
-    def mean(self, value: float) -> float:
-        """`value` averaged over ranks (for logging a global loss)."""
-        return self._reduce(value, tdist.ReduceOp.SUM) / self.world_size
-
-    def sum(self, value: float) -> float:
-        return self._reduce(value, tdist.ReduceOp.SUM)
+    def mean_on_device(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor averaged over ranks where it lives: on NCCL the host does not wait for it."""
+        if not self.enabled:
+            return value
+        value = value.clone()
+        tdist.all_reduce(value, op=tdist.ReduceOp.SUM)
+        return value / self.world_size
 
     def _reduce(self, value: float, op) -> float:
         if not self.enabled:

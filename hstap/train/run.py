@@ -37,6 +37,7 @@ from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch,
 from hstap.train.graphed import GraphedTTT
 from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
+from hstap.train.steplog import StepLog
 from hstap.train.ttt import TTTModel, batch_tensors
 from hstap.train.ttt import autocast as ttt_autocast
 
@@ -384,6 +385,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     autocast = ttt_autocast(device)
     total_steps = cap = schedule.total  # a resumed budgeted run keeps the schedule it was fitted to
     bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not progress or dist.rank)
+    steplog = StepLog(log.write, bar)
     start, tokens_this_run, first_step = time.perf_counter(), 0, state.step
     refits = bool(cfg.time_budget_s and not schedule.fitted)  # fitted here (a resumed run keeps its fit)
     if refits:
@@ -424,9 +426,9 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
                                         prefetch=(cfg.prefetch or isinstance(source, StoreSource))
                                         and state.step + 1 < total_steps)
-            loss, step_losses, tokens = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead,
-                                                   graphed)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            loss, step_losses = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead, graphed)
+            tokens = step_tokens(plan, state.step_in_epoch, batches_per_step, source.lengths)  # every rank's
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # on the device: nothing read back
             optimizer.step()
             optimizer.zero_grad(set_to_none=graphed is None)  # zeroed in place where graphs add into them
             scheduler.step()
@@ -435,14 +437,15 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             state.train_tokens += tokens
             tokens_this_run += tokens
             rate = tokens_per_second(tokens_this_run, time.perf_counter() - start)
-            log.write({"kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.train_tokens,
-                       "loss": loss, "step_losses": step_losses, "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": grad_norm, "tokens_per_s": rate})
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+            record = {"kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.train_tokens,
+                      "loss": None, "step_losses": None, "lr": scheduler.get_last_lr()[0], "grad_norm": None,
+                      "tokens_per_s": rate}  # the numbers the device holds are filled in a step later
+            steplog.hold(record, loss, grad_norm, step_losses)
             bar.update(1)
             if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
                 _say_how_long(cfg, time.perf_counter() - steps_from, ETA_AFTER_STEPS, total_steps - state.step)
             if dist.agree_max(float(due.due(state.step))):  # ranks' clocks differ: any rank due, all save
+                steplog.flush()  # the metrics hold every step the checkpoint does
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
                 due.saved()
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
@@ -451,6 +454,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         if state.step_in_epoch >= len(plan) // batches_per_step:
             state.epoch += 1
             state.step_in_epoch = 0
+            steplog.flush()  # the epoch's last step before its evaluation
             if dist.rank == 0:
                 eval_started = time.perf_counter()
                 last_eval = heldout_eval()
@@ -459,6 +463,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 evals_took += eval_seconds
             if refits and state.step < total_steps:
                 schedule.total = total_steps = refit(total_steps)
+    steplog.flush()
     bar.close()
     # a run that stops mid-epoch (a step or time budget) is judged where it stopped, not at its last epoch's end
     if dist.rank == 0 and (last_eval is initial or state.step_in_epoch > 0):
@@ -517,15 +522,23 @@ def _step_batches(plan: list[list[int]], step_in_epoch: int, grad_accum: int, di
     return mine, [*mine[1:], upcoming]
 
 
+def step_tokens(plan: list[list[int]], step_in_epoch: int, batches_per_step: int, lengths: list[int]) -> int:
+    """The tokens of one optimizer step over every rank: its batches are the plan's next `batches_per_step`, so
+    each rank counts them all itself, with no collective and no read-back."""
+    first = step_in_epoch * batches_per_step
+    return sum(lengths[i] for batch in plan[first:first + batches_per_step] for i in batch)
+
+
 def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batches: list[list[int]],
-                layer_ids: list[int], device: torch.device, autocast, dist: distributed.Dist,
-                ahead: list[list[int] | None], graphed: GraphedTTT | None = None) -> tuple[float, list[float], int]:
+               layer_ids: list[int], device: torch.device, autocast, dist: distributed.Dist,
+               ahead: list[list[int] | None], graphed: GraphedTTT | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP
     syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
     `ahead[i]`: a batch a BatchSource prefetches once batch i is in hand, so its prefill overlaps batch i's step.
     `graphed`: each batch's forward and backward replayed from its shape's CUDA graph (one process).
-    Returns (loss averaged over all ranks' batches, this rank's per-TTT-step losses, tokens over all ranks)."""
-    losses, step_losses, tokens = [], [], 0
+    Returns, on the device (nothing read back: `StepLog` reads them a step later), the loss averaged over all
+    ranks' batches and the per-TTT-step losses averaged over this rank's."""
+    losses, step_losses = [], []
     for i, indices in enumerate(batches):
         batch = load_batch(source, indices, layer_ids, device)
         if ahead[i] is not None and isinstance(source, (BatchSource, StoreSource)):
@@ -540,10 +553,7 @@ def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batch
         fault_point("train-batch")  # HSTAP_FAULT=train-batch:N: killed mid-step (gradients made, not applied)
         losses.append(loss.detach())
         step_losses.append(stats[0])
-        tokens += sum(source.lengths[j] for j in indices)  # = batch.num_tokens, without a device sync
-    mean_loss = sum(torch.stack(losses).tolist()) / len(losses)  # the one read-back of the step
-    mean_steps = torch.stack(step_losses).mean(0).tolist()
-    return dist.mean(mean_loss), mean_steps, int(dist.sum(tokens))
+    return dist.mean_on_device(torch.stack(losses).mean()), torch.stack(step_losses).mean(0)
 
 
 def load_metrics(path: Path) -> list[dict]:
