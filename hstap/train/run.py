@@ -119,7 +119,8 @@ def _open_source(cfg: TrainConfig, target, device: torch.device) -> tuple[Sample
 def teacher_head(head: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The target's lm_head on the training device, for a store whose teacher is the final hidden state: the target
     itself stays on the CPU unless it prefills or calibrates, and an 8B head's 2,048 × 4,096 × 128,256 logits a
-    sample are a second of a GPU's time but minutes of a CPU's. A copy (1 GB in bf16 for 8B) where it is elsewhere."""
+    sample (2.1 TFLOP) are milliseconds of a GPU's time but ~9 s of a 2-core VM's. A copy (1 GB in bf16 for 8B)
+    where it is elsewhere."""
     if head.weight.device == device:
         return head
     dtype = torch.bfloat16 if device.type == "cuda" else head.weight.dtype
@@ -534,7 +535,8 @@ def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batch
                ahead: list[list[int] | None], graphed: GraphedTTT | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward + backward over this rank's batches of one step, gradients averaged over batches and ranks (DDP
     syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
-    `ahead[i]`: a batch a BatchSource prefetches once batch i is in hand, so its prefill overlaps batch i's step.
+    `ahead[i]`: a batch the source prefetches once batch i is in hand (a BatchSource's prefill, a StoreSource's
+    read), so it overlaps batch i's step.
     `graphed`: each batch's forward and backward replayed from its shape's CUDA graph (one process).
     Returns, on the device (nothing read back: `StepLog` reads them a step later), the loss averaged over all
     ranks' batches and the per-TTT-step losses averaged over this rank's."""
