@@ -574,7 +574,7 @@ phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built with
   step m4_profile timeout 200 $B --seq 2048 --steps 4 --profile 60
   bundle
   step m5_gpu_tests timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_attention.py \
-    tests/runtime/test_gpu.py
+    tests/runtime/test_gpu.py tests/train/test_store_source.py
   # the trainer's store input (2026-12-05): the batch read now against read ahead on a host thread, pinned, copied
   # to the GPU; the hidden teacher's top-k on the GPU per batch (an engine capture's store)
   step m6_store_input timeout 120 $PY bench/store_input.py --device cuda --shape 8b --seq 2048 --batch 1 --step-ms 75

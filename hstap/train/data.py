@@ -85,20 +85,42 @@ class HostBatch:
     scales: torch.Tensor | None  # an fp8 store's scales (B, S, n layers)
     teacher_hidden: torch.Tensor | None  # a `hidden`-teacher store's final normed states (B, S, H)
 
-    def to(self, device: torch.device, lm_head: torch.nn.Module | None) -> TTTBatch:
+    def to(self, device: torch.device, lm_head: torch.nn.Module | None,
+           copy_stream: torch.cuda.Stream | None = None) -> TTTBatch:
         """The TTTBatch on `device`: copied (asynchronously from pinned memory), fp8 dequantised there, a hidden
-        teacher turned into top-k by `lm_head` where it lives (the trainer puts it on the device)."""
-        batch = self.batch.to(device)
-        if self.scales is not None:
-            batch = dataclasses.replace(batch, aux=dequantize_aux(batch.aux, self.scales.to(device, non_blocking=True)))
-        if self.teacher_hidden is not None:
+        teacher turned into top-k by `lm_head` where it lives (the trainer puts it on the device).
+
+        `copy_stream`: copy on that side stream, so the copy overlaps what the current stream still computes (the
+        step before); the current stream waits for it on the device, never the host."""
+        if copy_stream is None:
+            batch, scales, teacher_hidden = self._copied(device, lm_head)
+        else:
+            current = torch.cuda.current_stream(device)
+            with torch.cuda.stream(copy_stream):
+                batch, scales, teacher_hidden = self._copied(device, lm_head)
+                ready = torch.cuda.Event()
+                ready.record(copy_stream)
+            current.wait_event(ready)
+            for t in (*(getattr(batch, f) for f in TTTBatch.__dataclass_fields__), scales, teacher_hidden):
+                if t is not None and t.is_cuda:  # made on the side stream, used on this one: kept till it is done
+                    t.record_stream(current)
+        if scales is not None:
+            batch = dataclasses.replace(batch, aux=dequantize_aux(batch.aux, scales))
+        if teacher_hidden is not None:
             if lm_head is None:
                 raise HstapError("store has a `hidden` teacher: the target's lm_head is needed (pass --model)")
-            where = lm_head.weight.device
-            ids, logprobs = topk_teacher_batch(self.teacher_hidden.to(where, non_blocking=True),
-                                               batch.valid.to(where), lm_head)
+            ids, logprobs = topk_teacher_batch(teacher_hidden, batch.valid.to(teacher_hidden.device), lm_head)
             batch = dataclasses.replace(batch, topk_ids=ids.to(device), topk_logprobs=logprobs.to(device))
         return batch
+
+    def _copied(self, device: torch.device, lm_head: torch.nn.Module | None):
+        """The batch, the fp8 scales and the hidden teacher copied (the teacher to lm_head's device)."""
+        scales = self.scales.to(device, non_blocking=True) if self.scales is not None else None
+        teacher_hidden = None
+        if self.teacher_hidden is not None:
+            where = lm_head.weight.device if lm_head is not None else device
+            teacher_hidden = self.teacher_hidden.to(where, non_blocking=True)
+        return self.batch.to(device), scales, teacher_hidden
 
 
 class StoreSource:
@@ -106,7 +128,8 @@ class StoreSource:
     thread while the device trains on the one before it: for an 8B target a 2,048-token batch is ~50 MB of
     states, ~45 ms of page-ins and copies on a 2-core VM, which the step would otherwise wait for. With `pin` the
     batch is collated into pinned memory the calling thread allocates (a CUDA call, kept off the worker, which
-    only copies), so its copy to the GPU is asynchronous too."""
+    only copies), and copied to the GPU on a side stream: the copy overlaps the step before instead of delaying
+    the next (~2 ms for 50 MB at an H200's host link)."""
 
     def __init__(self, store, lm_head: torch.nn.Module | None = None, pin: bool = False):
         self.store = store
@@ -114,6 +137,7 @@ class StoreSource:
         self.lengths = [e.length for shard in store.manifest.shards for e in shard.samples]
         self.lm_head = lm_head
         self.pin = pin
+        self._copy_stream: torch.cuda.Stream | None = None  # pinned batches go to the GPU on it, beside the step
         self._worker: ThreadPoolExecutor | None = None
         self._pending: dict[tuple, Future] = {}
 
@@ -138,7 +162,9 @@ class StoreSource:
             host = pending.result()
         else:
             host = self.fill(self.allocate(indices, layer_ids), indices, layer_ids)
-        return host.to(device, self.lm_head)
+        if self.pin and device.type == "cuda" and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return host.to(device, self.lm_head, self._copy_stream if device.type == "cuda" else None)
 
     def allocate(self, indices: list[int], layer_ids: list[int]) -> HostBatch:
         """Uninitialised host tensors for the batch of `indices`, shaped from the manifest (pinned with `pin`)."""

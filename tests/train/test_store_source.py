@@ -144,3 +144,25 @@ def test_training_on_a_store_reads_its_next_batch_ahead(small_store, tmp_path, r
     run_train(TrainConfig(store=small_store, out=tmp_path / "run", max_steps=3, batch_tokens=512, draft_vocab=2048,
                           ttt_steps=2, heldout=0.1, seed=0, calib_prompts=0), progress=False)
     assert any(name.startswith("hstap-store-batch") for name in read_threads), set(read_threads)
+
+
+@pytest.mark.gpu
+def test_pinned_batches_copied_beside_the_step_equal_the_cpu_ones(small_store):
+    """On CUDA the batch is collated into pinned memory and copied on a side stream while the current stream still
+    computes (a stand-in step of matmuls here): every batch arrives whole, the same as the CPU's."""
+    store = open_store(small_store)
+    layers = list(store.manifest.meta.layer_ids)
+    cuda = torch.device("cuda")
+    pinned, plain = StoreSource(store, pin=True), StoreSource(store)
+    plan = [[35, 0, 34], [1, 2], [3, 4, 5], [6]]
+    pinned.prefetch(plan[0])
+    busy = torch.randn(2048, 2048, device=cuda)
+    for n, rows in enumerate(plan):
+        got = load_batch(pinned, rows, layers, cuda)
+        if n + 1 < len(plan):
+            pinned.prefetch(plan[n + 1])
+        for _ in range(20):  # the step the next batch's read and copy overlap
+            busy = torch.tanh(busy @ busy)
+        want = load_batch(plain, rows, layers, CPU)
+        for name in TTTBatch.__dataclass_fields__:
+            assert getattr(got, name).is_cuda and torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
