@@ -99,8 +99,9 @@ class TrainConfig(BaseModel):
                                       "graph per length bucket: the step without its host launch cost, for a "
                                       "tenth more positions computed (each bucket's batches padded to one shape); "
                                       "pays where the step is host-bound (small drafters, short sequences)")
-    prefetch: bool = option(False, "(online, CUDA) prefill the next batch on a side stream while the drafter "
-                                   "trains on this one")
+    prefetch: bool = option(False, "make the next batch while the drafter trains on this one: online (CUDA), its "
+                                   "prefill on a side stream; from a store (always on with CUDA), its read on a "
+                                   "host thread, which on a CPU competes with the step's own threads")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "
                                              "measure τ against the estimate (0 = off; default 8 on a GPU, 2 on "
                                              "a CPU)", ge=0)
