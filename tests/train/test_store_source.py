@@ -90,18 +90,22 @@ def test_a_damaged_shard_read_ahead_is_said_when_its_batch_is_asked_for(small_st
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def hidden_store(target, tmp_path_factory):
-    """Six real ShareGPT conversations captured with the final normed state as teacher (what engine taps store)."""
+def _capture(target, out, teacher: str):
+    """Eight real ShareGPT conversations in fp32 (so the two teachers' logits are the same arithmetic)."""
     from hstap.capture.config import CaptureConfig
     from hstap.capture.run import run_capture
 
-    out = tmp_path_factory.mktemp("hidden_teacher") / "store"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("hstap.capture.run.load_target", lambda *a, **k: target)
-        run_capture(CaptureConfig(data="sharegpt", limit=6, max_tokens=96, teacher="hidden", out=out),
+        run_capture(CaptureConfig(data="sharegpt", limit=8, max_tokens=96, dtype="fp32", teacher=teacher, out=out),
                     progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def hidden_store(target, tmp_path_factory):
+    """Captured with the final normed state as teacher: what the SGLang and vLLM taps store."""
+    return _capture(target, tmp_path_factory.mktemp("hidden_teacher") / "store", "hidden")
 
 
 def test_a_hidden_teacher_becomes_the_top_k_of_each_row_where_the_head_lives(hidden_store, target, read_threads):
@@ -126,6 +130,25 @@ def test_a_hidden_teacher_becomes_the_top_k_of_each_row_where_the_head_lives(hid
         assert not batch.topk_ids[row, n:].any() and (batch.topk_logprobs[row, n:] == -float("inf")).all()
     with pytest.raises(HstapError, match="hidden` teacher: the target's lm_head is needed"):
         load_batch(StoreSource(store), rows, layers, CPU)
+
+
+def test_training_on_a_hidden_teacher_store_equals_training_on_a_top_k_one(hidden_store, target, tmp_path,
+                                                                         monkeypatch):
+    """The engine taps' store (final hidden state) and the embedded capture's (top-32 log-probs) of the same
+    conversations train the same drafter: the trainer's per-batch top-k is the capture's, up to the fp16 rounding
+    both stores' log-probs take."""
+    from hstap.train.config import TrainConfig
+    from hstap.train.run import load_metrics, run_train
+
+    topk_store = _capture(target, tmp_path / "topk-store", "topk:32")
+    monkeypatch.setattr("hstap.models.load_target", lambda *a, **k: target)
+    losses = {}
+    for name, store in (("hidden", hidden_store), ("topk", topk_store)):
+        run_train(TrainConfig(store=store, out=tmp_path / f"run-{name}", max_steps=3, batch_tokens=256, draft_vocab=2048,
+                              ttt_steps=2, heldout=0.0, seed=0, calib_prompts=0), progress=False)
+        losses[name] = [r["loss"] for r in load_metrics(tmp_path / f"run-{name}" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses["topk"]) == 3
+    torch.testing.assert_close(torch.tensor(losses["hidden"]), torch.tensor(losses["topk"]), rtol=1e-4, atol=0)
 
 
 def test_the_head_of_a_hidden_teacher_is_put_on_the_training_device(target):
