@@ -33,8 +33,9 @@ class Dist:
             tdist.barrier()
 
     def no_sync(self, model: nn.Module, last: bool):
-        """DDP's gradient all-reduce only on the last batch of an accumulated step."""
-        if self.enabled and not last:
+        """DDP's gradient all-reduce only on the last batch of an accumulated step (a model not wrapped in DDP has
+        none to skip)."""
+        if self.enabled and not last and isinstance(model, nn.parallel.DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
 
@@ -56,6 +57,51 @@ class Dist:
     def agree_max(self, value: float) -> float:
         """The largest `value` over ranks: a decision every rank must take identically (e.g. when to stop)."""
         return self._reduce(value, tdist.ReduceOp.MAX)
+
+
+class LateVote:
+    """Whether any rank voted yes, learned one call late so the host never waits on the device for the answer.
+
+    A decision every rank must take together (a checkpoint whose clock runs out on one rank first) needs a
+    collective, and reading its answer back at once waits for everything queued on the device before it: the
+    whole step, every step, leaving the GPU idle while the host turns to the next one. Here a call queues this
+    step's vote (an all-reduce of a device scalar, no host copy in) and returns the answer of the call before,
+    copied out behind an event and done by now. Every rank makes the same calls, so every rank gets the same
+    answer at the same step. One process: the vote itself, at once."""
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def __call__(self, yes: bool) -> bool:
+        if not self.dist.enabled:
+            return yes
+        earlier = self._take()
+        vote = torch.full((1,), float(yes), device=self.dist.device)
+        tdist.all_reduce(vote, op=tdist.ReduceOp.MAX)
+        ready = None
+        if vote.is_cuda:
+            host = torch.empty(1, pin_memory=True)
+            host.copy_(vote, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            vote = host
+        self._pending = (vote, ready)
+        return earlier
+
+    def _take(self) -> bool:
+        if self._pending is None:
+            return False
+        vote, ready = self._pending
+        self._pending = None
+        if ready is not None:
+            ready.synchronize()
+        return bool(vote[0] > 0)
+
+    def clear(self) -> None:
+        """Drop the vote in flight (after acting on a yes: the vote queued beside it predates the action). Every
+        rank clears at the same step, since every rank acted on the same answer."""
+        self._pending = None
 
 
 def setup(device: str) -> Dist:

@@ -47,6 +47,9 @@ def preflight(cfg: TrainConfig) -> None:
                          "wrote (hstap capture --dtype fp8)")
     if cfg.online:
         check_loss_on(cfg.loss_on, cfg.loops, "--loops cut")
+    if cfg.cuda_graphs and cfg.grad_reduce == "overlap":
+        raise HstapError("--cuda-graphs with --grad-reduce overlap: a backward replayed from a CUDA graph runs no "
+                         "DDP hooks; use --grad-reduce after (auto picks it)")
     check_device(cfg.device)
     if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
         raise HstapError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda, not {cfg.device}")
@@ -106,8 +109,15 @@ class CheckpointClock:
         self.last = clock()
 
     def due(self, step: int) -> bool:
-        by_steps = self.every is not None and step % self.every == 0
-        return by_steps or self.clock() - self.last >= self.interval_s
+        return self.by_steps(step) or self.by_time()
+
+    def by_steps(self, step: int) -> bool:
+        """Every `every` steps: the same answer on every rank, no collective needed."""
+        return self.every is not None and step % self.every == 0
+
+    def by_time(self) -> bool:
+        """`interval_s` since the last checkpoint: ranks' clocks differ, so several ranks vote on it."""
+        return self.clock() - self.last >= self.interval_s
 
     def saved(self) -> None:
         self.last = self.clock()
