@@ -590,12 +590,15 @@ phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of i
   # 2026-12-01 was measured on a 128-ms step; the step is ~75 ms now, so the gradient all-reduce weighs more);
   # P2 tensor-parallel capture of a random 8B checkpoint against one GPU's, both judged against an fp32 capture
   # (hstap compare --reference), and the tap's overhead on the TP prefill with both teachers; P3 (b3) online
-  # SmolLM2 training on 2 GPUs vs 1 with --grad-accum 2, and a 2-GPU run preempted after step 20 and resumed on 1.
+  # SmolLM2 training on 2 GPUs vs 1 with --grad-accum 2, and a 2-GPU run preempted after step 20 and resumed on 1;
+  # P4 the same pair with --cuda-graphs (2 ranks graphed since 2026-12-05: --grad-reduce after).
   mkdir -p "$RUN/results" "$RUN/figs"
   local B="bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --ttt-steps 7 --batch 1 --seq 2048 \
     --steps 6 --json"
-  step p1_throughput_1gpu timeout 300 $TR --nproc_per_node 1 $B
-  step p1_throughput_2gpu timeout 300 $TR --nproc_per_node 2 $B
+  step p1_throughput_1gpu timeout 300 $TR --nproc_per_node 1 $B --graph both
+  # 2 GPUs: DDP's overlapped all-reduce, the flat one after the backward, and graphed (flat, after): 1.8x of the
+  # graphed single GPU is the bar, since graphs were one process only until 2026-12-05
+  step p1_throughput_2gpu timeout 400 $TR --nproc_per_node 2 $B --graph both --grad-reduce overlap after
   bundle
   wait_assets
   local tok
@@ -610,8 +613,16 @@ phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of i
   step p2_tap_overhead_tp timeout 300 $TR --nproc_per_node 2 bench/capture_overhead.py --device cuda \
     --model "$RUN/llama8b" --batch 4 --seq 2048 --reps 6 --teacher hidden --teacher topk:32
   bundle
-  b3 "train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
+  local T="train --online --model smollm2 --data sharegpt --limit 3000 --device cuda --ttt-steps 7 \
     --draft-vocab 16384 --batch-tokens 16384 --lr 2e-3 --max-steps 40 --checkpoint-every 10 --calib-prompts 0"
+  b3 "$T"
+  bundle
+  # P4: CUDA graphs on 2 GPUs (gradients all-reduced after the replayed backward) against 1 GPU, grad-accum 2
+  step p4_graphs_2gpu $TR --nproc_per_node 2 -m hstap.cli $T --cuda-graphs --out "$RUN/g2"
+  step p4_graphs_1gpu env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --cuda-graphs --grad-accum 2 --out "$RUN/g1"
+  step p4_compare $PY bench/compare_losses.py "$RUN/g2" "$RUN/g1" --labels "2 GPUs, graphed" \
+    "1 GPU, graphed, grad-accum 2" --out "$RUN/figs/loss_graphs_2gpu_vs_1gpu.png"
+  for r in g2 g1; do cp "$RUN/$r/metrics.jsonl" "$RUN/results/p4_$r.metrics.jsonl" 2>/dev/null; done
   bundle
   echo "$(date +%T) PAIR DONE" >> "$RUN/progress"
 }

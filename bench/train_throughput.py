@@ -18,7 +18,9 @@ each way of summing the steps' weight gradients (hstap.train.shared), `--merge t
 merge of the flex path (hstap.train.merge_kernel), `--head triton compiled` each head-loss block
 (hstap.train.head_kernel). `--graph both` times each
 length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
-hstap.train.graphed; capture and warm-ups untimed). Rank 0 prints; `--json` adds machine-readable lines.
+hstap.train.graphed; capture and warm-ups untimed); under torchrun a graphed step's gradients are averaged by one
+all-reduce after it (hstap.train.gradsync), and `--grad-reduce overlap after` times the plain step both ways.
+Rank 0 prints; `--json` adds machine-readable lines.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from hstap.train import distributed
 from hstap.train import attention, merge_kernel, shared
 from hstap.train.loss import HEAD_KERNEL
 from hstap.train.flops import ttt_train_flops
+from hstap.train.gradsync import FlatGradients
 from hstap.train.graphed import GraphedTTT
 from hstap.train.ttt import TTTBatch, TTTModel, autocast, batch_tensors
 
@@ -78,19 +81,26 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
-def train_step(model, opt, batch: TTTBatch, device: torch.device) -> None:
-    """One optimizer step as `hstap train` takes it: TTT forward under autocast, backward, AdamW."""
+def train_step(model, opt, batch: TTTBatch, device: torch.device, flat: FlatGradients | None = None) -> None:
+    """One optimizer step as `hstap train` takes it: TTT forward under autocast, backward (DDP's all-reduce inside
+    it, or `flat`'s after it), AdamW."""
     with autocast(device):
         loss = model(*batch_tensors(batch))[0]
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=flat is None)
     loss.backward()
+    if flat is not None:
+        flat.average()
     opt.step()
 
 
-def graphed_step(graph: GraphedTTT, opt, batch: TTTBatch, device: torch.device) -> None:
+def graphed_step(graph: GraphedTTT, opt, batch: TTTBatch, device: torch.device,
+                 flat: FlatGradients | None = None) -> None:
     """`train_step` as `hstap train --cuda-graphs` takes it: the forward and backward replayed from the batch
-    shape's CUDA graph (captured at the first call, with its warm-ups), AdamW eager, gradients zeroed in place."""
+    shape's CUDA graph (captured at the first call, with its warm-ups), the ranks' gradients averaged by one
+    all-reduce after it (`flat`, under torchrun: `--grad-reduce after`), AdamW eager, gradients zeroed in place."""
     graph(batch, autocast(device))
+    if flat is not None:
+        flat.average()
     opt.step()
     opt.zero_grad(set_to_none=False)
 
@@ -129,7 +139,7 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
 
 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
-            on: bool, graphed: bool) -> None:
+            on: bool, graphed: bool, after: bool = False) -> None:
     """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory; `graphed`: the
     forward and backward replayed from a CUDA graph (`graphed_step`; the capture and its warm-ups untimed: they
     run in the first of the 2 untimed steps)."""
@@ -141,14 +151,19 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dist.device)
+    ttt = getattr(model, "module", model)  # under DDP, the wrapped TTTModel
+    # several ranks: DDP's all-reduce inside the backward, or one after it (what a replayed graph needs)
+    flat = FlatGradients(opt.param_groups[0]["params"], dist) if dist.enabled and (graphed or after) else None
     if graphed:  # the trainer's form (hstap train --cuda-graphs): forward + backward replayed, AdamW eager
-        graph = GraphedTTT(model)
-        step = functools.partial(graphed_step, graph, opt, batch, dist.device)
+        graph = GraphedTTT(ttt)
+        step = functools.partial(graphed_step, graph, opt, batch, dist.device, flat)
     else:
-        step = functools.partial(train_step, model, opt, batch, dist.device)
+        step = functools.partial(train_step, ttt if flat is not None else model, opt, batch, dist.device, flat)
     step_s = dist.agree_max(time_steps(step, args.steps, dist.device))  # the slowest rank
     kernels = "fused" if on and fused.active() and cuda else "eager"  # after the steps: a failed compile says eager
     kernels += " graphed" if graphed else ""
+    reduce = ("after" if flat is not None else "overlap") if dist.enabled else "none"
+    kernels += f", gradients all-reduced {reduce}" if dist.enabled else ""
     tokens = args.batch * seq * dist.world_size
     tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
     mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
@@ -165,7 +180,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": backend,
-                              "kernels": kernels, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
+                              "kernels": kernels, "grad_reduce": reduce, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
                               "wgrad": "gemm" if shared.ENABLED else "autograd",
                               "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
                               "merge_kernel_failure": merge_kernel.KERNELS.failure,
@@ -174,9 +189,10 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
+    if graphed or flat is not None:
+        opt.zero_grad(set_to_none=True)  # the next arm starts from no gradients (none of them flat views)
     if graphed:
         del graph
-        opt.zero_grad(set_to_none=True)  # the next length's graphs (or eager steps) start from no gradients
         torch.cuda.empty_cache()
 
 
@@ -200,7 +216,12 @@ def main() -> None:
                          "order (e.g. default max-autotune-no-cudagraphs)")
     ap.add_argument("--graph", default="off", choices=["off", "on", "both"],
                     help="CUDA: the forward and backward replayed from a CUDA graph, as hstap train --cuda-graphs "
-                         "runs them; both = plain then graphed, per length (one process only)")
+                         "runs them; both = plain then graphed, per length (under torchrun the graphed steps' "
+                         "gradients are all-reduced after the backward: --grad-reduce after)")
+    ap.add_argument("--grad-reduce", nargs="+", default=["overlap"], choices=["overlap", "after"],
+                    help="under torchrun, how the plain (not graphed) steps average gradients, each timed in turn: "
+                         "overlap (DDP, all-reduced during the backward) or after (one flat all-reduce once it is "
+                         "done, as hstap train --grad-reduce after)")
     ap.add_argument("--wgrad", nargs="+", default=["gemm"], choices=["gemm", "autograd"],
                     help="where the TTT steps' weight gradients are summed, each timed in turn in one process: gemm "
                          "(inside the weight-gradient matmuls, hstap.train.shared, as hstap train runs) or autograd "
@@ -217,8 +238,8 @@ def main() -> None:
     args = ap.parse_args()
     dist = distributed.setup(args.device)
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graph]
-    if True in graph_modes and (dist.device.type != "cuda" or dist.enabled):
-        ap.error("--graph: one CUDA process (DDP's gradient hooks are not captured here)")
+    if True in graph_modes and dist.device.type != "cuda":
+        ap.error("--graph: CUDA graphs need --device cuda")
     torch.manual_seed(0)  # the same weights on every rank, as DDP expects
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
@@ -254,10 +275,12 @@ def main() -> None:
             print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
                   f"by {wgrad}, diagonal merge {merge}, head loss block {head}")
         for seq in args.seq:
-            for on, graphed in itertools.product(modes, graph_modes):
+            arms = [(on, graphed, after) for on, graphed in itertools.product(modes, graph_modes)
+                    for after in ([True] if graphed else [r == "after" for r in args.grad_reduce])]
+            for on, graphed, after in arms:
                 fused.enable(on)
                 try:
-                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed)
+                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed, after)
                 except Exception as e:  # noqa: BLE001 — one configuration that fails (a kernel a GPU refuses) must
                     # not cost the others their measurement: said in one line, and the next one runs
                     if dist.enabled:

@@ -95,10 +95,16 @@ class TrainConfig(BaseModel):
         "bf16", "(online) the tapped states as a store of this dtype hands them to the trainer: fp8 rounds them "
         "through e4m3 with one scale per token and layer on the device, with the store's own quantiser and reader "
         "(an fp8-vs-bf16 A/B on the same data without writing two stores)")
-    cuda_graphs: bool = option(False, "(CUDA, one process) replay the drafter's forward and backward from a CUDA "
-                                      "graph per length bucket: the step without its host launch cost, for a "
-                                      "tenth more positions computed (each bucket's batches padded to one shape); "
-                                      "pays where the step is host-bound (small drafters, short sequences)")
+    cuda_graphs: bool = option(False, "(CUDA) replay the drafter's forward and backward from a CUDA graph per "
+                                      "length bucket: the step without its host launch cost, for a tenth more "
+                                      "positions computed (each bucket's batches padded to one shape); pays where "
+                                      "the step is host-bound (small drafters, short sequences); under torchrun "
+                                      "with --grad-reduce after")
+    grad_reduce: Literal["auto", "overlap", "after"] = option(
+        "auto", "(several ranks) how the gradients are averaged: overlap (DDP: buckets all-reduced while the "
+        "backward runs), after (one all-reduce of a flat gradient buffer once the step's backward is done: "
+        "nothing overlapped, no hooks, so the backward may be a replayed CUDA graph), auto = after with "
+        "--cuda-graphs, else overlap")
     prefetch: bool = option(False, "make the next batch while the drafter trains on this one: online (CUDA), its "
                                    "prefill on a side stream; from a store (always on with CUDA), its read on a "
                                    "host thread, which on a CPU competes with the step's own threads")
@@ -121,6 +127,11 @@ class TrainConfig(BaseModel):
             fill["draft_vocab"] = self.init_size("draft_vocab")
             fill["draft_intermediate"] = self.init_size("draft_intermediate")
         return self.model_copy(update=fill)
+
+    @property
+    def reduce_after(self) -> bool:
+        """Whether several ranks average their gradients after the backward (`--grad-reduce`), not inside it."""
+        return self.grad_reduce == "after" or (self.grad_reduce == "auto" and self.cuda_graphs)
 
     def init_size(self, name: Literal["draft_vocab", "draft_intermediate"]) -> int:
         """The draft vocabulary or MLP width an `--init-from` run trains: the init drafter's own when unset (a GPU's

@@ -20,7 +20,8 @@ What a replay needs, and how it is kept:
 - one memory pool shared by every shape's graph: they replay one at a time and their outputs are copied out at
   once, so they can share their intermediates' memory. Each shape keeps its own static inputs (the aux states
   dominate: 2 B × 3 layers × hidden per position, ~0.4 GB a shape for an 8B target at 16k tokens a batch).
-One process only: DDP's all-reduce hooks are not captured (hstap train refuses --cuda-graphs with several ranks).
+Several ranks: DDP's all-reduce hooks would not run in a replay, so the ranks' gradients are averaged after the
+step instead (hstap.train.gradsync, `hstap train --grad-reduce after`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from hstap.train import checkpoint, distributed, rundir
 from hstap.train.config import TrainConfig
 from hstap.train.calibrate import calibrate, calibration_indices, prompt_of
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
+from hstap.train.gradsync import FlatGradients
 from hstap.train.graphed import GraphedTTT
 from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
@@ -301,9 +302,6 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     rundir.preflight(cfg)  # no model, no process group yet: bad flags and a run directory in use fail at once
     dist = distributed.setup(cfg.device)
     device = dist.device
-    if cfg.cuda_graphs and dist.world_size > 1:  # before the target loads
-        raise HstapError(f"--cuda-graphs runs in one process; this run has {dist.world_size} ranks (DDP's "
-                         "all-reduce is not captured): drop --cuda-graphs or run one process")
     # the target sits on the device when it prefills (online) or decodes the calibration prompts (rank 0)
     on_device = cfg.online or (cfg.calib_prompts > 0 and cfg.heldout > 0 and dist.rank == 0)
     target = load_target(cfg.model, device=str(device) if on_device else "cpu")
@@ -338,8 +336,12 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     schedule = WarmupCosine(total_steps, cfg.warmup_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = dist.wrap(TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on))
+    model = TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on)
+    # several ranks: DDP's hooks all-reduce during the backward, or one flat all-reduce after it (--grad-reduce)
+    flat = FlatGradients(params, dist) if dist.enabled and cfg.reduce_after else None
+    model = model if flat is not None else dist.wrap(model)
     graphed = GraphedTTT(model, 1 / cfg.grad_accum, cfg.batch_tokens) if cfg.cuda_graphs else None
+    keep_grads = graphed is not None or flat is not None  # gradients the graphs or the flat buffer write into
 
     out = Path(cfg.out)
     state = checkpoint.State(batches_per_step=batches_per_step)
@@ -405,6 +407,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                    "probe_steps": sum(probe_sizes(len(mine)))})
     last_eval = initial
     due = rundir.CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_interval_s)
+    time_vote = distributed.LateVote(dist)  # no per-step wait on the device for it
     steps_from = time.perf_counter()  # the early estimate times training steps only (not the budget probe)
     evals_took = 0.0  # of the time since steps_from, the epoch-end evaluations'
 
@@ -430,10 +433,12 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             mine, ahead = _step_batches(plan, state.step_in_epoch, cfg.grad_accum, dist,
                                         prefetch=read_ahead and state.step + 1 < total_steps)
             loss, step_losses = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead, graphed)
+            if flat is not None:
+                flat.average()  # every rank's gradients summed, as DDP's backward would have left them
             tokens = step_tokens(plan, state.step_in_epoch, batches_per_step, source.lengths)  # every rank's
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # on the device: nothing read back
             optimizer.step()
-            optimizer.zero_grad(set_to_none=graphed is None)  # zeroed in place where graphs add into them
+            optimizer.zero_grad(set_to_none=not keep_grads)  # zeroed in place where graphs or views add into them
             scheduler.step()
             state.step += 1
             state.step_in_epoch += 1
@@ -447,10 +452,12 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.update(1)
             if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
                 _say_how_long(cfg, time.perf_counter() - steps_from, ETA_AFTER_STEPS, total_steps - state.step)
-            if dist.agree_max(float(due.due(state.step))):  # ranks' clocks differ: any rank due, all save
+            # ranks' clocks differ: any rank's clock due, all save (learned a step late on several ranks)
+            if due.by_steps(state.step) | time_vote(due.by_time()):
                 steplog.flush()  # the metrics hold every step the checkpoint does
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
                 due.saved()
+                time_vote.clear()
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
             if refits and (state.step - first_step) % REFIT_EVERY == 0 and state.step < total_steps:
                 schedule.total = total_steps = refit(total_steps)
@@ -539,7 +546,8 @@ def accumulate(model: torch.nn.Module, source: SampleSource | BatchSource, batch
     syncs on the last batch only), so N ranks × A batches equal 1 rank × N·A batches up to summation order.
     `ahead[i]`: a batch the source prefetches once batch i is in hand (a BatchSource's prefill, a StoreSource's
     read), so it overlaps batch i's step.
-    `graphed`: each batch's forward and backward replayed from its shape's CUDA graph (one process).
+    `graphed`: each batch's forward and backward replayed from its shape's CUDA graph. A model that is not DDP
+    (one process, or `--grad-reduce after`) leaves the ranks' gradients apart: the caller averages them.
     Returns, on the device (nothing read back: `StepLog` reads them a step later), the loss averaged over all
     ranks' batches and the per-TTT-step losses averaged over this rank's."""
     losses, step_losses = [], []

@@ -48,19 +48,47 @@ def test_two_gloo_ranks_hold_identical_weights_after_a_step(preempted):
     assert not torch.equal(untrained.fc.weight, rank0["fc.weight"])
 
 
-def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(preempted, small_store, tmp_path):
+COMMON = dict(max_steps=4, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2, heldout=0.05, calib_prompts=0)
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in load_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def single(small_store, tmp_path_factory):
+    """One process accumulating 2 batches a step: the run both 2-rank forms must equal."""
+    out = tmp_path_factory.mktemp("single") / "single"
+    result = run_train(TrainConfig(store=small_store, out=out, grad_accum=2, **COMMON), progress=False)
+    return _losses(out), result.drafter.trainable_state_dict()
+
+
+def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(preempted, single, small_store,
+                                                                               tmp_path):
     """Same global batch (2 ranks × 1 batch vs 1 process × 2 batches): the same losses and weights up to summation
     order. A 2-rank run preempted after step 2 is finished by one process, as if nothing had happened."""
     shutil.copytree(preempted / "ddp", tmp_path / "ddp")
-    common = dict(store=small_store, max_steps=4, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
-                  heldout=0.05, calib_prompts=0)
-    single = run_train(TrainConfig(out=tmp_path / "single", grad_accum=2, **common), progress=False)
     with pytest.raises(HstapError, match="batches per step"):
-        run_train(TrainConfig(out=tmp_path / "ddp", resume=True, **common), progress=False)
-    resumed = run_train(TrainConfig(out=tmp_path / "ddp", resume=True, grad_accum=2, **common), progress=False)
+        run_train(TrainConfig(store=small_store, out=tmp_path / "ddp", resume=True, **COMMON), progress=False)
+    resumed = run_train(TrainConfig(store=small_store, out=tmp_path / "ddp", resume=True, grad_accum=2, **COMMON),
+                        progress=False)
 
-    losses = lambda run: [r["loss"] for r in load_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "train"]
-    assert len(losses("ddp")) == len(losses("single")) == 4  # 2 by the ranks, 2 by the resuming process
-    assert losses("ddp") == pytest.approx(losses("single"), rel=1e-4)
-    for name, value in single.drafter.trainable_state_dict().items():
+    single_losses, single_weights = single
+    assert len(_losses(tmp_path / "ddp")) == len(single_losses) == 4  # 2 by the ranks, 2 by the resuming process
+    assert _losses(tmp_path / "ddp") == pytest.approx(single_losses, rel=1e-4)
+    for name, value in single_weights.items():
         torch.testing.assert_close(resumed.drafter.trainable_state_dict()[name], value, atol=2e-5, rtol=1e-4)
+
+
+def test_gradients_averaged_after_the_backward_train_like_ddp(single, small_store, tmp_path):
+    """`--grad-reduce after` (one all-reduce of a flat gradient buffer once the backward is done, what a step
+    replayed from a CUDA graph needs): 2 ranks end 4 steps with identical weights, the losses and weights of one
+    process accumulating the same batches."""
+    _torchrun(str(small_store), str(tmp_path / "after"), str(tmp_path), "4", "0", "after")
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), f"{name} differs between ranks"
+    single_losses, single_weights = single
+    assert _losses(tmp_path / "after") == pytest.approx(single_losses, rel=1e-4)
+    for name, value in single_weights.items():
+        torch.testing.assert_close(rank0[name], value, atol=2e-5, rtol=1e-4)

@@ -146,6 +146,20 @@ def test_cuda_graphs_are_refused_off_cuda_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_cuda_graphs_with_ddps_overlapped_all_reduce_are_refused_and_auto_reduces_after(tmp_path):
+    """A replayed backward runs no DDP hooks: graphs average the ranks' gradients after the step."""
+    from hstap.train.config import TrainConfig
+    from hstap.train.rundir import preflight
+
+    cfg = TrainConfig(online=True, data="sharegpt", out=tmp_path / "run", cuda_graphs=True, device="cuda",
+                      grad_reduce="overlap")
+    with pytest.raises(HstapError, match="--cuda-graphs with --grad-reduce overlap") as err:
+        preflight(cfg)
+    assert "\n" not in str(err.value)
+    assert cfg.model_copy(update={"grad_reduce": "auto"}).reduce_after
+    assert not cfg.model_copy(update={"grad_reduce": "auto", "cuda_graphs": False}).reduce_after
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replayed_steps_equal_eager_steps_and_accumulate_like_backward():
