@@ -1,10 +1,11 @@
 """Run by torchrun in test_ddp.py: train with DDP, then save this rank's weights for comparison.
 
-    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [GRAD_REDUCE]]]
+    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [AFTER_OUT]]]
 
-STOP_AFTER: both ranks leave cleanly right after the checkpoint of that step (a preempted job; 0: never).
-GRAD_REDUCE: `hstap train --grad-reduce` (default auto: DDP). Each rank saves its trainable weights to
-DUMP/rank<R>.pt when it leaves (at STOP_AFTER, or at the end)."""
+STOP_AFTER: both ranks stop training right after the checkpoint of that step (a preempted job; 0: never). Each
+rank saves its trainable weights to DUMP/rank<R>.pt when it stops (at STOP_AFTER, or at the end). AFTER_OUT: then,
+in the same processes (no second start-up), a run of MAX_STEPS with `--grad-reduce after` (one all-reduce of a flat
+gradient buffer after the backward) into AFTER_OUT, its weights saved to DUMP/after_rank<R>.pt."""
 
 import sys
 from pathlib import Path
@@ -17,23 +18,38 @@ from hstap.train.run import run_train
 
 store, out, dump = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
-grad_reduce = sys.argv[6] if len(sys.argv) > 6 else "auto"
+stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+after_out = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+rank = None
+
+
+class Preempted(Exception):
+    """Both ranks leave the training loop right after the STOP_AFTER checkpoint."""
+
+
+def weights(drafter) -> dict:
+    return {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
+
+
 if stop_after:
     real_save = run_module.checkpoint.save
 
     def save_then_stop(out_dir, drafter, optimizer, scheduler, state, dist):
         real_save(out_dir, drafter, optimizer, scheduler, state, dist)
-        if state.step == stop_after:  # this rank's weights at the preemption, then leave
-            torch.save({k: v.clone() for k, v in drafter.trainable_state_dict().items()},
-                       dump / f"rank{torch.distributed.get_rank()}.pt")
-            torch.distributed.destroy_process_group()
-            sys.exit(0)
+        if state.step == stop_after and out_dir == out:  # this rank's weights at the preemption, then leave
+            torch.save(weights(drafter), dump / f"rank{torch.distributed.get_rank()}.pt")
+            raise Preempted
 
     run_module.checkpoint.save = save_then_stop
-cfg = TrainConfig(store=store, out=out, max_steps=max_steps, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
-                  heldout=0.05, checkpoint_every=stop_after or 200, calib_prompts=0, grad_reduce=grad_reduce)
-result = run_train(cfg, progress=False)
-rank = torch.distributed.get_rank()
-torch.save({k: v.clone() for k, v in result.drafter.trainable_state_dict().items()}, dump / f"rank{rank}.pt")
+common = dict(store=store, max_steps=max_steps, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
+              heldout=0.05, calib_prompts=0)
+try:
+    result = run_train(TrainConfig(out=out, checkpoint_every=stop_after or 200, **common), progress=False)
+    torch.save(weights(result.drafter), dump / f"rank{torch.distributed.get_rank()}.pt")
+except Preempted:
+    pass
+if after_out is not None:
+    result = run_train(TrainConfig(out=after_out, grad_reduce="after", checkpoint_every=200, **common),
+                       progress=False)
+    torch.save(weights(result.drafter), dump / f"after_rank{torch.distributed.get_rank()}.pt")
 torch.distributed.destroy_process_group()

@@ -29,9 +29,9 @@ def _torchrun(*args: str) -> None:
 @pytest.fixture(scope="module")
 def preempted(small_store, tmp_path_factory):
     """One 2-rank run of 4 planned steps, preempted right after its step-2 checkpoint (each rank dumps its weights
-    as it leaves): what both tests below read."""
+    as it leaves), then, in the same processes, 4 steps with `--grad-reduce after`: what the tests below read."""
     tmp = tmp_path_factory.mktemp("ddp")
-    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2")
+    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2", str(tmp / "after"))
     return tmp
 
 
@@ -80,15 +80,14 @@ def test_two_ranks_equal_one_process_accumulating_and_one_process_resumes_them(p
         torch.testing.assert_close(resumed.drafter.trainable_state_dict()[name], value, atol=2e-5, rtol=1e-4)
 
 
-def test_gradients_averaged_after_the_backward_train_like_ddp(single, small_store, tmp_path):
+def test_gradients_averaged_after_the_backward_train_like_ddp(preempted, single):
     """`--grad-reduce after` (one all-reduce of a flat gradient buffer once the backward is done, what a step
     replayed from a CUDA graph needs): 2 ranks end 4 steps with identical weights, the losses and weights of one
     process accumulating the same batches."""
-    _torchrun(str(small_store), str(tmp_path / "after"), str(tmp_path), "4", "0", "after")
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    rank0, rank1 = torch.load(preempted / "after_rank0.pt"), torch.load(preempted / "after_rank1.pt")
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), f"{name} differs between ranks"
     single_losses, single_weights = single
-    assert _losses(tmp_path / "after") == pytest.approx(single_losses, rel=1e-4)
+    assert _losses(preempted / "after") == pytest.approx(single_losses, rel=1e-4)
     for name, value in single_weights.items():
         torch.testing.assert_close(rank0[name], value, atol=2e-5, rtol=1e-4)
