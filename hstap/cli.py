@@ -31,7 +31,7 @@ COMMANDS = {
                                                  "needs"),
     "vllm-flags": ("hstap.capture.vllm_cli", "print vLLM's launch flags and the collective_rpc body that starts "
                                              "capture"),
-    "store": ("hstap.store.cli", "inspect or verify a capture store"),
+    "store": ("hstap.store.cli", "inspect, verify or merge capture stores"),
     "compare": ("hstap.store.compare_cli", "per-layer, per-sample differences between two stores of the same "
                                            "samples"),
     "train": ("hstap.train.cli", "train an EAGLE-3 drafter (offline from a store, or --online)"),

@@ -154,11 +154,14 @@ def parse_duration(value: Any) -> Any:
 
 
 def option(default: Any = PydanticUndefined, help: str = "", *, flag: str | None = None,
-           metavar: str | None = None, positional: bool = False, cli: bool = True, **field_kwargs) -> Any:
+           metavar: str | None = None, positional: bool = False, cli: bool = True, several: bool = False,
+           **field_kwargs) -> Any:
     """A config field with its command-line form: `--name-with-dashes` unless `flag` says otherwise.
 
-    `positional`: a positional argument; `cli=False`: settable from YAML/--set only (or by the program)."""
-    extra = {"flag": flag, "metavar": metavar, "positional": positional, "cli": cli}
+    `positional`: a positional argument; a positional list takes the rest of the line (an engine's own flags),
+    or with `several` one or more values, flags allowed before and after them. `cli=False`: settable from
+    YAML/--set only (or by the program)."""
+    extra = {"flag": flag, "metavar": metavar, "positional": positional, "cli": cli, "several": several}
     return Field(default, description=help, json_schema_extra={"cli": extra}, **field_kwargs)
 
 
@@ -215,7 +218,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseModel], sect
             kwargs["metavar"] = meta["metavar"]
         if meta.get("positional"):
             if get_origin(annotation) is list:
-                kwargs["nargs"] = argparse.REMAINDER
+                kwargs["nargs"] = "+" if meta.get("several") else argparse.REMAINDER
             parser.add_argument(name, **kwargs)
             continue
         kwargs.update(dest=name, default=argparse.SUPPRESS)

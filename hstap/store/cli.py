@@ -1,17 +1,19 @@
-"""`hstap store info|verify DIR`."""
+"""`hstap store info|verify DIR`, `hstap store merge --out DIR A B ...`."""
 
 from __future__ import annotations
 
 import json
 
 from hstap.config import add_config_flags
-from hstap.store.config import StoreInfoConfig, StoreVerifyConfig
+from hstap.store.config import StoreInfoConfig, StoreMergeConfig, StoreVerifyConfig
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="store_cmd", required=True)
     add_config_flags(sub.add_parser("info", help=StoreInfoConfig.__doc__.splitlines()[0]), StoreInfoConfig, "store")
     add_config_flags(sub.add_parser("verify", help=StoreVerifyConfig.__doc__.splitlines()[0]), StoreVerifyConfig,
+                     "store")
+    add_config_flags(sub.add_parser("merge", help=StoreMergeConfig.__doc__.splitlines()[0]), StoreMergeConfig,
                      "store")
 
 
@@ -31,8 +33,16 @@ def format_info(info: dict) -> str:
     return "\n".join(lines + [f"BAD {p}" for p in info.get("problems", [])])
 
 
-def run(cfg: StoreInfoConfig | StoreVerifyConfig) -> int:
+def run(cfg: StoreInfoConfig | StoreVerifyConfig | StoreMergeConfig) -> int:
     from hstap.store import store_info, verify_store
+
+    if isinstance(cfg, StoreMergeConfig):
+        from hstap.store.merge import merge_stores
+
+        r = merge_stores(cfg.out, cfg.stores, copy=cfg.copy_shards)
+        print(f"merged {len(cfg.stores)} stores into {r.out}: {r.samples:,} samples, {r.tokens:,} tokens, "
+              f"{r.shards} shards ({r.linked} hard-linked, {r.copied} copied, {r.kept} already in place)")
+        return 0
 
     if isinstance(cfg, StoreInfoConfig):
         info = store_info(cfg.dir, project=cfg.project)

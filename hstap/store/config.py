@@ -1,4 +1,5 @@
-"""Configs of the store commands: `hstap store info|verify DIR` and `hstap compare DIR_A DIR_B`."""
+"""Configs of the store commands: `hstap store info|verify DIR`, `hstap store merge --out DIR A B ...` and
+`hstap compare DIR_A DIR_B`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ class StoreVerifyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dir: Path = option(help="the store directory", positional=True)
+
+
+class StoreMergeConfig(BaseModel):
+    """One store from several (each node's capture): shards hard-linked (or copied, checked) under new numbers,
+    one manifest written last; a merge killed on the way is finished by the same command."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stores: list[Path] = option(help="the stores to merge (two or more), in the order their samples are kept",
+                                positional=True, several=True)
+    out: Path = option(help="the merged store's directory (new, or an interrupted merge of the same stores)")
+    copy_shards: bool = option(False, "copy every shard even where a hard link would do (OUT then shares no file "
+                                      "with the inputs)", flag="--copy")
 
 
 class CompareConfig(BaseModel):
