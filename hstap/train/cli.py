@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hstap.config import add_config_flags
 from hstap.train.config import TrainConfig
 
@@ -13,5 +15,7 @@ def add_arguments(parser) -> None:
 def run(cfg: TrainConfig) -> int:
     from hstap.train.run import run_train
 
-    print(run_train(cfg).summary())
+    result = run_train(cfg)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank trains; rank 0 wrote the run, and says so
+        print(result.summary())
     return 0

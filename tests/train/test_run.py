@@ -326,3 +326,17 @@ def test_summary_says_when_nothing_was_held_out(tmp_path):
 
     text = TrainResult(out=tmp_path, steps=2, train_tokens=100, seconds=1.0, heldout={}, initial_heldout={}).summary()
     assert "held-out: none" in text and "nan" not in text
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_only_rank_zero_prints_the_summary(tmp_path, monkeypatch, capsys, rank):
+    """Under torchrun every rank returns from run_train; one summary is printed, by the rank that wrote the run."""
+    import hstap.train.run as run_module
+    from hstap.train import cli
+    from hstap.train.run import TrainResult
+
+    done = TrainResult(out=tmp_path, steps=2, train_tokens=100, seconds=1.0, heldout={}, initial_heldout={})
+    monkeypatch.setattr(run_module, "run_train", lambda cfg: done)
+    monkeypatch.setenv("RANK", rank)
+    assert cli.run(TrainConfig(store=tmp_path, out=tmp_path / "run")) == 0
+    assert capsys.readouterr().out.count("trained 2 steps") == (rank == "0")
