@@ -434,7 +434,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                                         prefetch=read_ahead and state.step + 1 < total_steps)
             loss, step_losses = accumulate(model, source, mine, layer_ids, device, autocast, dist, ahead, graphed)
             if flat is not None:
-                flat.average()  # every rank's gradients summed, as DDP's backward would have left them
+                flat.average()  # every rank's gradients averaged, as DDP's backward would have left them
             tokens = step_tokens(plan, state.step_in_epoch, batches_per_step, source.lengths)  # every rank's
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # on the device: nothing read back
             optimizer.step()
