@@ -598,7 +598,9 @@ phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of i
   step p1_throughput_1gpu timeout 300 $TR --nproc_per_node 1 $B --graph both
   # 2 GPUs: DDP's overlapped all-reduce, the flat one after the backward, and graphed (flat, after): 1.8x of the
   # graphed single GPU is the bar, since graphs were one process only until 2026-12-05
-  step p1_throughput_2gpu timeout 400 $TR --nproc_per_node 2 $B --graph both --grad-reduce overlap after
+  # and each with the gradients crossing in fp32, then bf16 (--grad-reduce-dtype)
+  step p1_throughput_2gpu timeout 540 $TR --nproc_per_node 2 $B --graph both --grad-reduce overlap after \
+    --grad-reduce-dtype fp32 bf16
   bundle
   wait_assets
   local tok

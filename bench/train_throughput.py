@@ -19,7 +19,8 @@ merge of the flex path (hstap.train.merge_kernel), `--head triton compiled` each
 (hstap.train.head_kernel). `--graph both` times each
 length without, then with the forward and backward replayed from a CUDA graph (`hstap train --cuda-graphs`,
 hstap.train.graphed; capture and warm-ups untimed); under torchrun a graphed step's gradients are averaged by one
-all-reduce after it (hstap.train.gradsync), and `--grad-reduce overlap after` times the plain step both ways.
+all-reduce after it (hstap.train.gradsync), `--grad-reduce overlap after` times the plain step both ways, and
+`--grad-reduce-dtype fp32 bf16` each arm with the gradients crossing in fp32, then bf16.
 Rank 0 prints; `--json` adds machine-readable lines.
 """
 
@@ -63,6 +64,9 @@ def synthetic_batch(h: int, vocab: int, t2d: torch.Tensor, b: int, s: int) -> TT
     return TTTBatch(aux=torch.randn(b, s, 3 * h, dtype=torch.bfloat16), input_ids=torch.randint(0, vocab, (b, s)),
                     loss_mask=torch.ones(b, s, dtype=torch.bool), valid=torch.ones(b, s, dtype=torch.bool),
                     topk_ids=topk_ids, topk_logprobs=torch.log_softmax(torch.randn(b, s, 32), -1))
+
+
+_BF16_DDP: dict[int, torch.nn.Module] = {}  # the DDP wrapper with the bf16 hook, per TTTModel (made at first use)
 
 
 def matmul_tflops(device: torch.device) -> float:
@@ -139,7 +143,7 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
 
 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
-            on: bool, graphed: bool, after: bool = False) -> None:
+            on: bool, graphed: bool, after: bool = False, bf16_wire: bool = False) -> None:
     """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory; `graphed`: the
     forward and backward replayed from a CUDA graph (`graphed_step`; the capture and its warm-ups untimed: they
     run in the first of the 2 untimed steps)."""
@@ -153,7 +157,10 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
         torch.cuda.reset_peak_memory_stats(dist.device)
     ttt = getattr(model, "module", model)  # under DDP, the wrapped TTTModel
     # several ranks: DDP's all-reduce inside the backward, or one after it (what a replayed graph needs)
-    flat = FlatGradients(opt.param_groups[0]["params"], dist) if dist.enabled and (graphed or after) else None
+    wire = torch.bfloat16 if bf16_wire else None
+    flat = FlatGradients(opt.param_groups[0]["params"], dist, wire) if dist.enabled and (graphed or after) else None
+    if dist.enabled and flat is None and bf16_wire:  # DDP with PyTorch's bf16 hook: a wrapper of its own, made once
+        model = _BF16_DDP.setdefault(id(ttt), dist.wrap(ttt, bf16_gradients=True))
     if graphed:  # the trainer's form (hstap train --cuda-graphs): forward + backward replayed, AdamW eager
         graph = GraphedTTT(ttt)
         step = functools.partial(graphed_step, graph, opt, batch, dist.device, flat)
@@ -163,7 +170,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     kernels = "fused" if on and fused.active() and cuda else "eager"  # after the steps: a failed compile says eager
     kernels += " graphed" if graphed else ""
     reduce = ("after" if flat is not None else "overlap") if dist.enabled else "none"
-    kernels += f", gradients all-reduced {reduce}" if dist.enabled else ""
+    kernels += f", gradients all-reduced {reduce} in {'bf16' if bf16_wire else 'fp32'}" if dist.enabled else ""
     tokens = args.batch * seq * dist.world_size
     tflops = ttt_train_flops(cfg, seq, args.ttt_steps, args.batch) / step_s / 1e12  # per GPU
     mfu, of_matmul = tflops / args.peak_tflops, tflops / measured
@@ -180,7 +187,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
                               "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
                               "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
                               "mfu": mfu, "matmul_tflops": measured, "attention": backend,
-                              "kernels": kernels, "grad_reduce": reduce, "flex_mode": attention.FLEX_COMPILE_MODE or "default",
+                              "kernels": kernels, "grad_reduce": reduce, "grad_reduce_dtype": "bf16" if bf16_wire else "fp32", "flex_mode": attention.FLEX_COMPILE_MODE or "default",
                               "wgrad": "gemm" if shared.ENABLED else "autograd",
                               "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
                               "merge_kernel_failure": merge_kernel.KERNELS.failure,
@@ -232,6 +239,9 @@ def main() -> None:
     ap.add_argument("--head", nargs="+", default=["triton"], choices=["triton", "compiled"],
                     help="the head loss's block on CUDA, each timed in turn in one process: triton "
                          "(hstap.train.head_kernel, as hstap train runs) or compiled (torch.compile's)")
+    ap.add_argument("--grad-reduce-dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                    help="under torchrun, the dtype gradients cross the link in, each timed in turn (bf16: hstap "
+                         "train --grad-reduce-dtype bf16; DDP's arms through PyTorch's bf16 hook, NCCL only)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
@@ -275,12 +285,13 @@ def main() -> None:
             print(f"TTT attention {backend}, flex attention compiled in mode {flex_mode}, weight gradients summed "
                   f"by {wgrad}, diagonal merge {merge}, head loss block {head}")
         for seq in args.seq:
-            arms = [(on, graphed, after) for on, graphed in itertools.product(modes, graph_modes)
-                    for after in ([True] if graphed else [r == "after" for r in args.grad_reduce])]
-            for on, graphed, after in arms:
+            arms = [(on, graphed, after, bf16) for on, graphed in itertools.product(modes, graph_modes)
+                    for after in ([True] if graphed else [r == "after" for r in args.grad_reduce])
+                    for bf16 in ([d == "bf16" for d in args.grad_reduce_dtype] if dist.enabled else [False])]
+            for on, graphed, after, bf16 in arms:
                 fused.enable(on)
                 try:
-                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed, after)
+                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed, after, bf16)
                 except Exception as e:  # noqa: BLE001 — one configuration that fails (a kernel a GPU refuses) must
                     # not cost the others their measurement: said in one line, and the next one runs
                     if dist.enabled:

@@ -22,11 +22,18 @@ class Dist:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, bf16_gradients: bool = False) -> nn.Module:
+        """DDP around `module` (several ranks); `bf16_gradients`: its buckets all-reduced in bf16 (PyTorch's
+        compression hook, which PyTorch allows on NCCL only), half the bytes."""
         if not self.enabled:
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        if bf16_gradients:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return ddp
 
     def barrier(self) -> None:
         if self.enabled:

@@ -338,8 +338,10 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model = TTTModel(drafter, t2d_ids, cfg.ttt_steps, cfg.decay, cfg.ttt_attention, cfg.loss_on)
     # several ranks: DDP's hooks all-reduce during the backward, or one flat all-reduce after it (--grad-reduce)
-    flat = FlatGradients(params, dist) if dist.enabled and cfg.reduce_after else None
-    model = model if flat is not None else dist.wrap(model)
+    bf16_wire = cfg.grad_reduce_dtype == "bf16"
+    flat = FlatGradients(params, dist, torch.bfloat16 if bf16_wire else None) \
+        if dist.enabled and cfg.reduce_after else None
+    model = model if flat is not None else dist.wrap(model, bf16_gradients=bf16_wire)
     graphed = GraphedTTT(model, 1 / cfg.grad_accum, cfg.batch_tokens) if cfg.cuda_graphs else None
     keep_grads = graphed is not None or flat is not None  # gradients the graphs or the flat buffer write into
 

@@ -50,6 +50,9 @@ def preflight(cfg: TrainConfig) -> None:
     if cfg.cuda_graphs and cfg.grad_reduce == "overlap":
         raise HstapError("--cuda-graphs with --grad-reduce overlap: a backward replayed from a CUDA graph runs no "
                          "DDP hooks; use --grad-reduce after (auto picks it)")
+    if cfg.grad_reduce_dtype == "bf16" and not cfg.reduce_after and not cfg.device.startswith("cuda"):
+        raise HstapError(f"--grad-reduce-dtype bf16 with DDP's overlapped all-reduce needs NCCL (PyTorch's bf16 hook), "
+                         f"not --device {cfg.device}: add --grad-reduce after")
     check_device(cfg.device)
     if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
         raise HstapError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda, not {cfg.device}")
