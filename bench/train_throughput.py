@@ -156,6 +156,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dist.device)
     ttt = getattr(model, "module", model)  # under DDP, the wrapped TTTModel
+    opt.zero_grad(set_to_none=True)  # no gradient left by the arm before (a plain step leaves its last one)
     # several ranks: DDP's all-reduce inside the backward, or one after it (what a replayed graph needs)
     wire = torch.bfloat16 if bf16_wire else None
     flat = FlatGradients(opt.param_groups[0]["params"], dist, wire) if dist.enabled and (graphed or after) else None
