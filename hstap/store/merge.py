@@ -157,7 +157,14 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     for path, _ in inputs:
         if out.exists() and path.exists() and path.resolve() == out.resolve():
             raise HstapError(f"--out {out} is one of the input stores: merge into a new directory")
+    plan = json.dumps({"stores": [str(p.resolve()) for p, _ in inputs]}).encode()
+    plan_file = out / PLAN_NAME
     if (out / MANIFEST_NAME).exists():
+        if plan_file.exists() and plan_file.read_bytes() == plan:  # killed between the manifest and the tidy-up
+            plan_file.unlink()
+            t = load_manifest(out / MANIFEST_NAME)
+            return MergeReport(out, t.totals.samples, t.totals.tokens, t.totals.bytes, len(t.shards), 0, 0,
+                               len(t.shards))
         raise HstapError(f"--out {out} already holds a store ({MANIFEST_NAME}): merge into a new directory")
     for other in inputs[1:]:
         _check_compatible(inputs[0], other)
@@ -169,8 +176,6 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
                 raise HstapError(f"{path}: {problem}; `hstap store verify {path}` lists every problem")
 
     out.mkdir(parents=True, exist_ok=True)
-    plan = json.dumps({"stores": [str(p.resolve()) for p, _ in inputs]}).encode()
-    plan_file = out / PLAN_NAME
     if plan_file.exists() and plan_file.read_bytes() != plan:
         raise HstapError(f"--out {out} holds an interrupted merge of other stores ({PLAN_NAME}): rerun that merge, "
                          "or merge into a new directory")
@@ -196,6 +201,7 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     manifest = Manifest(meta=_merged_meta(inputs), tensors=inputs[0][1].tensors, shards=shards,
                         totals=Totals.of(shards), created=stamp, updated=stamp)
     save_manifest(out / MANIFEST_NAME, manifest)  # OUT is a store from here on
+    fault_point("merge-manifest")  # HSTAP_FAULT=merge-manifest: killed with the store whole, the plan not removed
     plan_file.unlink()
     t = manifest.totals
     return MergeReport(out, t.samples, t.tokens, t.bytes, len(shards), counts["linked"], counts["copied"],

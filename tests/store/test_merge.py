@@ -47,9 +47,14 @@ def test_merged_store_holds_every_sample_of_each_node_bitwise_and_verifies(nodes
     assert not (tmp_path / "all" / PLAN_NAME).exists()
 
 
-def test_copy_checks_each_shard_and_names_a_damaged_one(nodes, tmp_path):
-    report = merge_stores(tmp_path / "copied", list(nodes), copy=True, progress=False)
-    assert report.copied == report.shards and report.linked == 0
+def test_copy_checks_each_shard_and_names_a_damaged_one(nodes, tmp_path, capsys):
+    from hstap.cli import main
+
+    assert main(["store", "merge", str(nodes[0]), str(nodes[1]), "--out", str(tmp_path / "copied"), "--copy"]) == 0
+    total = _shards(nodes[0]) + _shards(nodes[1])
+    assert capsys.readouterr().out.strip().endswith(
+        f"20 samples, {load_manifest(tmp_path / 'copied' / MANIFEST_NAME).totals.tokens:,} tokens, {total} shards "
+        f"(0 hard-linked, {total} copied, 0 already in place)")
     assert not os.path.samefile(tmp_path / "copied" / "shard-00000.safetensors",
                                 nodes[0] / load_manifest(nodes[0] / MANIFEST_NAME).shards[0].file)
     assert verify_store(tmp_path / "copied") == []
@@ -71,12 +76,18 @@ def test_a_merge_killed_part_way_is_finished_by_the_same_command(nodes, tmp_path
            "--copy"]
     killed = subprocess.run(cmd, env={**os.environ, "HSTAP_FAULT": "merge-shard:3"}, capture_output=True, text=True)
     assert killed.returncode == -9
-    assert not (out / MANIFEST_NAME).exists() and len(list(out.glob("shard-*.safetensors"))) == 3
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    placed = sorted(out.glob("shard-*.safetensors"))
+    assert not (out / MANIFEST_NAME).exists() and len(placed) == 3
+    inodes = [f.stat().st_ino for f in placed]  # a shard copied again would be a new file
+    done = subprocess.run(cmd, env={**os.environ, "HSTAP_FAULT": "merge-manifest"}, capture_output=True, text=True)
+    assert done.returncode == -9  # killed again, this time with the manifest written: OUT is a whole store
     total = _shards(nodes[0]) + _shards(nodes[1])
-    assert f"{total} shards (0 hard-linked, {total - 3} copied, 3 already in place)" in done.stdout
-    assert verify_store(out) == [] and len(open_store(out)) == 20
+    assert verify_store(out) == [] and len(open_store(out)) == 20 and (out / PLAN_NAME).exists()
+    assert [f.stat().st_ino for f in placed] == inodes  # the 3 shards in place were kept, not copied again
+    again = merge_stores(out, list(nodes), copy=True, progress=False)  # the same merge tidies up, says it is done
+    assert (again.shards, again.copied, again.kept) == (total, 0, total) and not (out / PLAN_NAME).exists()
+    assert merge_stores(tmp_path / "fresh", list(nodes), copy=True, progress=False).copied == total
+    assert load_manifest(out / MANIFEST_NAME).shards == load_manifest(tmp_path / "fresh" / MANIFEST_NAME).shards
 
 
 def test_refusals_are_one_line_and_name_the_store(nodes, tmp_path, meta):
