@@ -26,8 +26,8 @@ whole output line), `model-load` (any command, target weights read, tokenizer no
 decode loop, after each new token of a batch: mid-batch in synth), `train-batch` (train, after a batch's backward,
 before the optimizer step), `step-done` (train, after an optimizer step), `checkpoint-write` (train, temp
 checkpoint directory made, files not yet written), `checkpoint-written` (train, checkpoint files written, not yet
-renamed into place), `merge-shard` (store merge, after each shard is linked or copied into place), `merge-manifest` (store merge,
-the merged manifest written, the merge's plan file not yet removed).
+renamed into place), `merge-shard` (store merge, after each shard is linked or copied into place),
+`merge-manifest` (store merge, the merged manifest written, the merge's plan file not yet removed).
 
 Points named `hang-…` block forever instead (idle, as a deadlock does: what the supervisor's stall watchdog must
 catch), points named `raise-…` raise `InjectedFault` instead; both on the n-th pass, like the others:

@@ -43,12 +43,11 @@ from hstap.store.manifest import (
     shard_files,
     shard_name,
 )
-from hstap.store.reader import listed_problem
+from hstap.store.reader import HASH_CHUNK, listed_problem
 from hstap.faults import fault_point
 
 SAME_EXTRA = ("loops", "target_dtype")  # capture settings that change what a sample holds: every input's must agree
 PLAN_NAME = ".merge.json"  # the inputs of a merge under way, so a rerun of another merge is refused
-COPY_CHUNK = 8 << 20
 
 
 @dataclass
@@ -63,6 +62,12 @@ class MergeReport:
     linked: int
     copied: int
     kept: int
+
+    @classmethod
+    def of(cls, out: Path, manifest: Manifest, counts: dict[str, int]) -> MergeReport:
+        t = manifest.totals
+        return cls(out, t.samples, t.tokens, t.bytes, len(manifest.shards), counts["linked"], counts["copied"],
+                   counts["kept"])
 
 
 def _check_compatible(first: tuple[Path, Manifest], other: tuple[Path, Manifest]) -> None:
@@ -116,7 +121,7 @@ def _copy_checked(src: Path, dst: Path, sha256: str) -> None:
     h = hashlib.sha256()
     try:
         with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while chunk := fin.read(COPY_CHUNK):
+            while chunk := fin.read(HASH_CHUNK):
                 h.update(chunk)
                 fout.write(chunk)
             fout.flush()
@@ -162,9 +167,8 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     if (out / MANIFEST_NAME).exists():
         if plan_file.exists() and plan_file.read_bytes() == plan:  # killed between the manifest and the tidy-up
             plan_file.unlink()
-            t = load_manifest(out / MANIFEST_NAME)
-            return MergeReport(out, t.totals.samples, t.totals.tokens, t.totals.bytes, len(t.shards), 0, 0,
-                               len(t.shards))
+            done = load_manifest(out / MANIFEST_NAME)
+            return MergeReport.of(out, done, {"linked": 0, "copied": 0, "kept": len(done.shards)})
         raise HstapError(f"--out {out} already holds a store ({MANIFEST_NAME}): merge into a new directory")
     for other in inputs[1:]:
         _check_compatible(inputs[0], other)
@@ -203,6 +207,4 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     save_manifest(out / MANIFEST_NAME, manifest)  # OUT is a store from here on
     fault_point("merge-manifest")  # HSTAP_FAULT=merge-manifest: killed with the store whole, the plan not removed
     plan_file.unlink()
-    t = manifest.totals
-    return MergeReport(out, t.samples, t.tokens, t.bytes, len(shards), counts["linked"], counts["copied"],
-                       counts["kept"])
+    return MergeReport.of(out, manifest, counts)

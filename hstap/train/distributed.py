@@ -11,6 +11,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from hstap.train.steplog import copy_out
+
 
 @dataclass
 class Dist:
@@ -86,14 +88,7 @@ class LateVote:
         earlier = self._take()
         vote = torch.full((1,), float(yes), device=self.dist.device)
         tdist.all_reduce(vote, op=tdist.ReduceOp.MAX)
-        ready = None
-        if vote.is_cuda:
-            host = torch.empty(1, pin_memory=True)
-            host.copy_(vote, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            vote = host
-        self._pending = (vote, ready)
+        self._pending = copy_out(vote)
         return earlier
 
     def _take(self) -> bool:

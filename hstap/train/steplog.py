@@ -20,6 +20,18 @@ from typing import Callable
 import torch
 
 
+def copy_out(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t` copied to pinned host memory on the device's queue, with the event that marks the copy done (None off
+    CUDA, where `t` itself is returned): read it once `event.synchronize()` returns, a step later."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 class StepLog:
     """Holds one step's record until the next step is queued (see the module)."""
 
@@ -33,15 +45,7 @@ class StepLog:
         self.flush()
         numbers = torch.cat([loss.detach().float().view(1), grad_norm.detach().float().view(1),
                              step_losses.detach().float().view(-1)])  # (2 + TTT steps,), on the device's queue
-        ready = None
-        if numbers.is_cuda:
-            host = torch.empty(numbers.shape, pin_memory=True)
-            host.copy_(numbers, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host = numbers
-        self._held = (record, host, ready)
+        self._held = (record, *copy_out(numbers))
 
     def flush(self) -> None:
         """Write the held step, waiting for its numbers if they are not back yet."""
