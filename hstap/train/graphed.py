@@ -17,9 +17,11 @@ What a replay needs, and how it is kept:
   zeroes them in place (`zero_grad(set_to_none=False)`), never frees them;
 - warm-ups before each capture (compiles, autotuning and the allocator happen outside it), with the gradients
   saved and restored around them so the warm-ups train nothing;
-- one memory pool shared by every shape's graph: they replay one at a time and their outputs are copied out at
-  once, so they can share their intermediates' memory. Each shape keeps its own static inputs (the aux states
-  dominate: 2 B × 3 layers × hidden per position, ~0.4 GB a shape for an 8B target at 16k tokens a batch).
+- one memory pool shared by every shape's graph, and one set of static input buffers (`SharedInputs`): the graphs
+  replay one at a time, each after its batch is copied in, and their outputs are copied out at once, so they can
+  share their intermediates' and their inputs' memory. The inputs are mostly aux states (2 B × 3 layers × hidden
+  per position: ~0.4 GB for an 8B target at 16k tokens a batch); kept per shape, 21 shapes of a ShareGPT run
+  would hold ~8 GB of them.
 Several ranks: DDP's all-reduce hooks would not run in a replay, so the ranks' gradients are averaged after the
 step instead (hstap.train.gradsync, `hstap train --grad-reduce after`).
 """
@@ -56,15 +58,21 @@ def _shortest_in_bucket(bucket: int) -> int:
     return n
 
 
-def graph_shape(rows: int, length: int, batch_tokens: int | None) -> tuple[int, int]:
+def graph_shape(rows: int, length: int, batch_tokens: int | None) -> tuple[int, int] | None:
     """The (rows, positions) a batch of `rows` × `length` is padded to. Positions: `bucket_length`. Rows, given the
     trainer's `batch_tokens`: as many as a batch of the bucket's shortest length may hold (`plan_batches` cuts a
     batch where rows × longest would pass `batch_tokens`), so every batch of a bucket — the short last batch of
-    each sorting window too — shares one graph; without it (fixed shapes, the benches), the batch's own."""
+    each sorting window too — shares one graph; without it (fixed shapes, the benches), the batch's own.
+
+    The shortest length counted is half the bucket: the first bucket holds lengths 1 to 64, and rows for a batch of
+    1-token samples would pad a 64-position batch to 64 × `batch_tokens` positions. A graph so computes at most
+    twice `batch_tokens` positions (a single sample longer than that aside), and the rare batch of more rows than
+    its bucket's graph holds (samples all under 32 tokens) gets None: it runs eagerly."""
     padded = bucket_length(length)
     if batch_tokens is None:
         return rows, padded
-    return max(rows, batch_tokens // _shortest_in_bucket(padded), 1), padded
+    most = max(batch_tokens // max(_shortest_in_bucket(padded), padded // 2), 1)
+    return (most, padded) if rows <= most else None
 
 
 def pad_batch(batch: TTTBatch, length: int, rows: int | None = None) -> TTTBatch:
@@ -81,6 +89,32 @@ def pad_batch(batch: TTTBatch, length: int, rows: int | None = None) -> TTTBatch
     return dataclasses.replace(batch, aux=pad(batch.aux, 0.0), input_ids=pad(batch.input_ids, 0),
                                loss_mask=pad(batch.loss_mask, False), valid=pad(batch.valid, False),
                                topk_ids=pad(batch.topk_ids, 0), topk_logprobs=pad(batch.topk_logprobs, -float("inf")))
+
+
+class SharedInputs:
+    """The static input tensors of every captured shape, as views into one flat buffer per batch field.
+
+    The graphs replay one at a time, each right after its batch is copied into its views, so the shapes can share
+    the memory. A buffer is made at the first capture, large enough for `positions` positions (the most a graph
+    computes); a larger shape later gets a larger buffer, which the shapes after it share."""
+
+    def __init__(self, positions: int | None = None):
+        self.positions = positions
+        self.buffers: list[torch.Tensor] = []
+
+    def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views shaped like `tensors`, holding their values (one per batch field, in `batch_tensors` order)."""
+        rows, length = tensors[0].shape[:2]
+        out = []
+        for k, t in enumerate(tensors):
+            have = self.buffers[k] if k < len(self.buffers) else None
+            if have is None or have.numel() < t.numel() or have.dtype != t.dtype or have.device != t.device:
+                per_position = t.numel() // (rows * length)
+                size = max(t.numel(), per_position * (self.positions or 0))
+                have = torch.empty(size, dtype=t.dtype, device=t.device)
+                self.buffers[k:k + 1] = [have]
+            out.append(have[:t.numel()].view(t.shape).copy_(t))
+        return out
 
 
 class _Captured:
@@ -104,14 +138,22 @@ class GraphedTTT:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = None  # one memory pool for every graph, made at the first capture
+        self.inputs = SharedInputs(2 * batch_tokens if batch_tokens else None)  # graph_shape's most positions
         self.failure = ""  # the first capture error's first line, once one happened
-        self.said_full = False
+        self.said_full = self.said_rows = False
 
     def __call__(self, batch: TTTBatch, autocast: AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
         if self.failure:
             return self._eager(batch_tensors(batch), autocast)
-        rows, length = graph_shape(*batch.input_ids.shape, self.batch_tokens)
-        padded = pad_batch(batch, length, rows)
+        shape = graph_shape(*batch.input_ids.shape, self.batch_tokens)
+        if shape is None:
+            if not self.said_rows:
+                print(f"hstap train: a batch of {batch.input_ids.shape[0]} samples of at most "
+                      f"{batch.input_ids.shape[1]} tokens has more rows than a CUDA graph holds; such batches run "
+                      "eagerly", file=sys.stderr)
+                self.said_rows = True
+            return self._eager(batch_tensors(batch), autocast)
+        padded = pad_batch(batch, shape[1], shape[0])
         key = tuple((t.shape, t.dtype) for t in batch_tensors(padded))
         captured = self.graphs.get(key)
         if captured is None:
@@ -144,7 +186,7 @@ class GraphedTTT:
         for p in self.params:  # the graphs add into these; the optimizer zeroes them in place
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        captured = _Captured([t.clone() for t in batch_tensors(batch)])
+        captured = _Captured(self.inputs.views(batch_tensors(batch)))
         kept = [p.grad.clone() for p in self.params]  # the warm-ups' gradients are thrown away
         try:
             side = torch.cuda.Stream()

@@ -57,6 +57,54 @@ def test_plan_batches_of_a_run_share_one_graph_per_length_bucket():
     assert graph_shape(3, 21, None) == (3, 64)  # without a token budget (fixed shapes): the batch's own rows
 
 
+def test_short_samples_never_pad_a_graph_past_twice_the_batch_tokens():
+    """The first bucket holds lengths 1 to 64. Its graph holds the rows of a batch of 32-token samples (512 at
+    16,384 tokens: 32,768 positions), not of 1-token ones (16,384 rows × 64 positions = 64 × the batch); a batch of
+    more rows (samples all under 32 tokens) runs eagerly (None). No graph computes more than twice `batch_tokens`
+    positions, but for one sample longer than that."""
+    from hstap.train.data import plan_batches
+    from hstap.train.graphed import graph_shape
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 200, (3000,), generator=gen).tolist()
+    eager = 0
+    for batch in plan_batches(list(range(3000)), lengths, 16384, seed=0, epoch=0):
+        longest = max(lengths[i] for i in batch)
+        shape = graph_shape(len(batch), longest, 16384)
+        if shape is None:
+            assert longest < 32 and len(batch) > 16384 // 32
+            eager += 1
+            continue
+        assert shape[0] >= len(batch) and shape[1] >= longest and shape[0] * shape[1] <= 2 * 16384
+    assert eager == 0  # sorted windows of 1,024 samples: the shortest batch of each reaches past 32 tokens here
+    assert graph_shape(600, 20, 16384) is None and graph_shape(512, 31, 16384) == (512, 64)
+    assert graph_shape(40, 64, 16384) == (512, 64) and graph_shape(40, 100, 16384) == (252, 128)
+    assert graph_shape(1, 20000, 16384) == (1, 20480)  # one sample past the budget: its own rows, as the eager step
+
+
+def test_every_captured_shape_reads_its_batch_from_one_shared_set_of_buffers():
+    """The graphs replay one at a time, so their static inputs are views of one buffer per batch field, sized for
+    the most positions a graph computes; a shape past that gets a larger buffer, which the shapes after it share."""
+    from hstap.train.graphed import SharedInputs
+
+    shared = SharedInputs(positions=2 * 256)
+    small, bucket, larger, after = (batch_tensors(_batch(b, s, [s] * b, seed=k))
+                                    for k, (b, s) in enumerate(((2, 64), (4, 128), (3, 320), (1, 64))))
+    views = []
+    for fresh in (small, bucket):  # each view holds its batch, in its shape and dtype, until the next is copied in
+        views.append(shared.views(fresh))
+        assert all(torch.equal(v, t) and v.dtype == t.dtype for v, t in zip(views[-1], fresh))
+    assert not torch.equal(views[0][0], small[0])  # the second batch wrote over the first: one memory
+    first = [v.untyped_storage().data_ptr() for v in views[0]]
+    assert [v.untyped_storage().data_ptr() for v in views[1]] == first  # one buffer per field, for both shapes
+    assert shared.buffers[0].numel() == 2 * 256 * 96  # aux: 96 values a position, for 512 positions
+    grown = shared.views(larger)  # 960 positions: past the 512 the buffers were made for
+    assert all(torch.equal(v, t) for v, t in zip(grown, larger))
+    assert all(v.untyped_storage().data_ptr() != p for v, p in zip(grown, first))
+    assert [v.untyped_storage().data_ptr() for v in shared.views(after)] == \
+        [v.untyped_storage().data_ptr() for v in grown]
+
+
 def test_a_padded_batch_trains_exactly_like_the_unpadded_one():
     """Padding to the bucket adds positions and rows that are not valid and not counted; causal attention never
     looks right, so the loss, the per-step statistics and every gradient are the batch's own (fp32 summation
