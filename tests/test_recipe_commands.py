@@ -1,7 +1,7 @@
 """The GPU recipe's next calls rehearsed on the CPU: every command that `bench/h200_recipe.sh mfu` and `pair` (and
 `graphs`) would run parses with the parser of the program it calls (hstap's, a bench script's, torchrun's
-target's), and every test file they name exists. A device session is 30 minutes, given back 30 s after a call; a renamed flag
-found there costs a step of it (2026-12-03: a refused carry; the eighteenth session's phases had never run).
+target's), and every test file they name exists. A device session is 30 minutes, and the machine goes back 30 s
+after a call: a renamed flag found there costs a step of it (the eighteenth session's phases have never run).
 
 Each phase runs in bash with `step` recording its command instead of running it (and `bundle`, `wait_assets`
 doing nothing), so the command lines are the ones the shell would build, variables expanded."""
