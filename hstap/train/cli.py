@@ -15,7 +15,11 @@ def add_arguments(parser) -> None:
 def run(cfg: TrainConfig) -> int:
     from hstap.train.run import run_train
 
+    import torch.distributed as tdist
+
     result = run_train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank trains; rank 0 wrote the run, and says so
         print(result.summary())
+    if tdist.is_available() and tdist.is_initialized():  # NCCL warns, and may block a peer, without it
+        tdist.destroy_process_group()
     return 0

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
+from hstap.errors import HstapError
 from hstap.train.steplog import copy_out
 
 
@@ -106,6 +108,18 @@ class LateVote:
         self._pending = None
 
 
+def dist_timeout_s() -> float:
+    """Seconds a collective may wait before the process group aborts the run: $HSTAP_DIST_TIMEOUT_S, else 1,800."""
+    raw = os.environ.get("HSTAP_DIST_TIMEOUT_S", "1800")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise HstapError(f"HSTAP_DIST_TIMEOUT_S={raw!r}: expected a positive number of seconds")
+    return seconds
+
+
 def setup(device: str) -> Dist:
     """Join the process group torchrun set up, if any; pick this rank's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,8 +127,9 @@ def setup(device: str) -> Dist:
         return Dist(0, 1, torch.device(device))
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = device.startswith("cuda")
-    if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if on_gpu else "gloo")
+    if not tdist.is_initialized():  # rank 0 alone evaluates the held-out set while the others wait in a collective:
+        # NCCL's default 10-minute timeout would abort a run whose evaluation takes longer (gloo's is 30)
+        tdist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=dist_timeout_s()))
     dev = torch.device(f"cuda:{local}") if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(dev)

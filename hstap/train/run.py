@@ -401,8 +401,8 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         seconds = cfg.grad_accum * dist.agree_max(seconds_per_step(model, source, mine, layer_ids, device, autocast,
                                                                    graphed))
         schedule.total = total_steps = fit_to_budget(total_steps, state.step, seconds,
-                                                     cfg.time_budget_s - (time.perf_counter() - start))
-        schedule.fitted = True  # every rank agreed on the same per-step time, so they stop at the same step
+                                                     cfg.time_budget_s - dist.agree_max(time.perf_counter() - start))
+        schedule.fitted = True  # every rank agreed on the per-step and elapsed times, so they stop at the same step
         bar.total = total_steps
         bar.refresh()
         log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds, "total_steps": total_steps,
@@ -419,7 +419,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             return total
         evals = dist.agree_max(evals_took)  # rank 0 evaluates; the others wait for it at the next collective
         per_step = dist.agree_max((time.perf_counter() - steps_from - evals) / (state.step - first_step))
-        left = cfg.time_budget_s - (time.perf_counter() - start)
+        left = cfg.time_budget_s - dist.agree_max(time.perf_counter() - start)  # ranks started apart: agreed too
         fitted = refit_to_budget(cap, state.step, per_step, left, dist.agree_max(eval_seconds), steps_per_epoch,
                                  state.step_in_epoch)
         if fitted != total:

@@ -1,11 +1,13 @@
 """Run by torchrun in test_ddp.py: train with DDP, then save this rank's weights for comparison.
 
-    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [AFTER_OUT]]]
+    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [AFTER_OUT [BUDGET_OUT]]]]
 
 STOP_AFTER: both ranks stop training right after the checkpoint of that step (a preempted job; 0: never). Each
 rank saves its trainable weights to DUMP/rank<R>.pt when it stops (at STOP_AFTER, or at the end). AFTER_OUT: then,
 in the same processes (no second start-up), a run of MAX_STEPS with `--grad-reduce after` (one all-reduce of a flat
-gradient buffer after the backward) into AFTER_OUT, its weights saved to DUMP/after_rank<R>.pt."""
+gradient buffer after the backward) into AFTER_OUT, its weights saved to DUMP/after_rank<R>.pt. BUDGET_OUT: then a
+run under `--time-budget` on fake clocks that tick a second per batch fetched on rank 0 and 1.5 on rank 1 (ranks
+start apart and run at different speeds), its weights and step count saved to DUMP/budget_rank<R>.pt."""
 
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ store, out, dump = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 after_out = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+budget_out = Path(sys.argv[7]) if len(sys.argv) > 7 else None
 rank = None
 
 
@@ -52,4 +55,17 @@ if after_out is not None:
     result = run_train(TrainConfig(out=after_out, grad_reduce="after", checkpoint_every=200, **common),
                        progress=False)
     torch.save(weights(result.drafter), dump / f"after_rank{torch.distributed.get_rank()}.pt")
+if budget_out is not None:
+    clock, tick = {"t": 0.0}, 1.0 + 0.5 * torch.distributed.get_rank()
+    real_load = run_module.load_batch
+
+    def load_tick(*args, **kw):
+        clock["t"] += tick
+        return real_load(*args, **kw)
+
+    run_module.load_batch, run_module.time.perf_counter = load_tick, lambda: clock["t"]
+    result = run_train(TrainConfig(out=budget_out, time_budget_s=24, checkpoint_every=200,
+                                   **{**common, "max_steps": None, "epochs": 50}), progress=False)
+    rank = torch.distributed.get_rank()
+    torch.save({"steps": result.steps, **weights(result.drafter)}, dump / f"budget_rank{rank}.pt")
 torch.distributed.destroy_process_group()

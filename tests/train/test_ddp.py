@@ -29,9 +29,10 @@ def _torchrun(*args: str) -> None:
 @pytest.fixture(scope="module")
 def preempted(small_store, tmp_path_factory):
     """One 2-rank run of 4 planned steps, preempted right after its step-2 checkpoint (each rank dumps its weights
-    as it leaves), then, in the same processes, 4 steps with `--grad-reduce after`: what the tests below read."""
+    as it leaves), then, in the same processes, 4 steps with `--grad-reduce after`, then a run under
+    `--time-budget` on fake clocks: what the tests below read."""
     tmp = tmp_path_factory.mktemp("ddp")
-    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2", str(tmp / "after"))
+    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2", str(tmp / "after"), str(tmp / "budget"))
     return tmp
 
 
@@ -91,3 +92,20 @@ def test_gradients_averaged_after_the_backward_train_like_ddp(preempted, single)
     assert _losses(preempted / "after") == pytest.approx(single_losses, rel=1e-4)
     for name, value in single_weights.items():
         torch.testing.assert_close(rank0[name], value, atol=2e-5, rtol=1e-4)
+
+
+def test_a_budgeted_run_stops_every_rank_at_the_same_step_though_their_clocks_differ(preempted):
+    """`--time-budget` under torchrun: each rank's clock started at its own moment and runs at its own speed (here
+    fake clocks: a second per batch fetched on rank 0, 1.5 on rank 1). Every rank fits and refits the run from the
+    same agreed figures, so all stop at the same step with the same weights and the same learning-rate schedule.
+    With each rank's own elapsed time, rank 1 fitted fewer steps, left the loop first and met rank 0's next
+    all-reduce with its checkpoint's (found in review, 2026-12-05)."""
+    rank0, rank1 = torch.load(preempted / "budget_rank0.pt"), torch.load(preempted / "budget_rank1.pt")
+    assert rank0.pop("steps") == rank1.pop("steps") > 0
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), f"{name} differs between ranks"
+    records = load_metrics(preempted / "budget" / "metrics.jsonl")
+    fitted = [r for r in records if r["kind"] == "budget"]
+    assert len(fitted) == 1 and fitted[0]["seconds_per_step"] == 1.5  # the slower rank's step time, agreed
+    lrs = [r["lr"] for r in records if r["kind"] == "train"]
+    assert lrs[-1] == 0.0  # the schedule every rank stepped reached its end where the run stopped
