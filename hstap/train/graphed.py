@@ -188,14 +188,15 @@ class GraphedTTT:
                 p.grad = torch.zeros_like(p)
         captured = _Captured(self.inputs.views(batch_tensors(batch)))
         kept = [p.grad.clone() for p in self.params]  # the warm-ups' gradients are thrown away
+        side = torch.cuda.Stream()
         try:
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUPS):
                     self._eager(captured.inputs, autocast)
+        finally:  # a failed warm-up leaves the gradients as the batches before it made them, too: restored once
+            # what it queued on the side stream is done (it adds into the same gradients)
             torch.cuda.current_stream().wait_stream(side)
-        finally:  # a failed warm-up leaves the gradients as the batches before it made them, too
             with torch.no_grad():
                 for p, g in zip(self.params, kept):
                     p.grad.copy_(g)
@@ -203,9 +204,27 @@ class GraphedTTT:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         captured.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured.graph, pool=self.pool):  # records only: nothing runs, no gradient changes
-            with autocast:
-                loss, stats = self.model(*captured.inputs)[:2]
-            (loss * self.grad_scale).backward()
-            captured.loss, captured.stats = loss.detach(), stats
+        with torch.cuda.stream(torch.cuda.current_stream()):  # this stream current again, whatever the capture did
+            try:
+                with torch.cuda.graph(captured.graph, pool=self.pool):  # records only: nothing runs or changes
+                    with autocast:
+                        loss, stats = self.model(*captured.inputs)[:2]
+                    (loss * self.grad_scale).backward()
+                    captured.loss, captured.stats = loss.detach(), stats
+            except Exception:
+                _end_failed_capture(self.pool)
+                raise
         return captured
+
+
+def _end_failed_capture(pool) -> None:
+    """After a capture that failed: route the caching allocator's allocations back out of the graph's pool.
+
+    `torch.cuda.graph` ends a capture with `capture_end`, which raises before it ends the pool's allocations when
+    the capture was invalidated (an op that reads the host or syncs inside it): the allocator would then keep
+    allocating into the pool, defer every freed block that crossed streams until no capture is underway (never:
+    a leak each step), and refuse `empty_cache` (the evaluation's own graphs). Nothing to end if it had ended."""
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    except Exception:  # noqa: BLE001 — it had ended (or this torch names it otherwise): nothing left to undo
+        pass

@@ -257,3 +257,52 @@ def test_hstap_train_with_cuda_graphs_trains_like_without(small_store, tmp_path,
     losses = [[r["loss"] for r in load_metrics(run.out / "metrics.jsonl") if r["kind"] == "train"] for run in runs]
     assert len(losses[1]) == 6
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-2, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_capture_that_fails_on_the_device_leaves_streams_and_the_allocator_as_they_were(capsys):
+    """A step that reads the host inside the capture (here on purpose: `float(loss)`) invalidates it, and
+    `torch.cuda.graph` then raises before it ends the pool's allocations or restores the stream. The run goes on
+    eagerly with the eager step's gradients, on the stream it was on, and the allocator takes part in a later
+    capture (the evaluation's decoding graphs) instead of asserting that one is still underway."""
+    from hstap.train.graphed import GraphedTTT
+    from hstap.train.ttt import autocast
+
+    class ReadsTheHost(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *tensors):
+            out = self.inner(*tensors)
+            float(out[0])  # a sync: fine eagerly, refused while capturing
+            return out
+
+    torch.manual_seed(0)
+    drafter, t2d_ids = _tiny_drafter()
+    drafter = drafter.cuda()
+    model = ReadsTheHost(TTTModel(drafter, t2d_ids.cuda(), steps=3, decay=0.8))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    batches = [_batch(2, s, [s, s - 3], seed=k).to("cuda") for k, s in enumerate((30, 100))]
+    device, stream = torch.device("cuda"), torch.cuda.current_stream()
+    for batch in batches:
+        with autocast(device):
+            loss = model(*batch_tensors(batch))[0]
+        (loss / 2).backward()
+    eager_grads = [p.grad.clone() for p in params]
+    drafter.zero_grad(set_to_none=True)
+    graphed = GraphedTTT(model, grad_scale=1 / 2, batch_tokens=1024)
+    for batch in batches:
+        graphed(batch, autocast(device))
+    assert graphed.failure and not graphed.graphs and "as a CUDA graph failed" in capsys.readouterr().err
+    assert torch.cuda.current_stream() == stream
+    for p, g in zip(params, eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    torch.cuda.empty_cache()  # asserts when the allocator still thinks a capture is underway
+    x = torch.ones(4, device="cuda")
+    again = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(again):
+        y = x * 2
+    again.replay()
+    assert torch.equal(y, torch.full((4,), 2.0, device="cuda"))
