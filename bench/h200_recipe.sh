@@ -585,6 +585,26 @@ phase_mfu() {  # issue 15's 55 % MFU (2026-12-04, eighteenth session, built with
   echo "$(date +%T) MFU DONE" >> "$RUN/progress"
 }
 
+phase_mfu_short() {  # issue 15's MFU at both lengths with what a session of ~20 device-minutes holds (2026-12-05,
+  # twenty-first session: 1,439 s of device time left): the default attention (flex) first, plain and graphed at
+  # 2,048 and plain at 8,192 (the figures the issue asks for), then the GPU tests of the graphed trainer and the
+  # kernels once the assets are in, then the other two attentions side by side at both lengths.
+  mkdir -p "$RUN/results"
+  local B="$PY bench/train_throughput.py --device cuda --shape 8b --draft-vocab 32000 --batch 1 --json"
+  step s1_throughput_2048 timeout 300 $B --seq 2048 --steps 8 --attention flex --graph both
+  step s2_throughput_8192 timeout 240 $B --seq 8192 --steps 6 --attention flex
+  bundle
+  wait_assets
+  step s3_gpu_tests timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/train/test_graphed.py \
+    tests/train/test_merge_kernel.py tests/train/test_head_kernel.py
+  bundle
+  step s4_throughput_2048_alt timeout 300 $B --seq 2048 --steps 8 --attention flexdiag cudnn --graph both
+  bundle
+  step s5_throughput_8192_alt timeout 240 $B --seq 8192 --steps 6 --attention flexdiag cudnn
+  bundle
+  echo "$(date +%T) MFU SHORT DONE" >> "$RUN/progress"
+}
+
 phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of it in one call chain (~15 min;
   # 2026-12-05, nineteenth session): P1 the 8B drafter step on 1 vs 2 GPUs with today's trainer (the 1.91x of
   # 2026-12-01 was measured on a 128-ms step; the step is ~75 ms now, so the gradient all-reduce weighs more);
@@ -725,7 +745,8 @@ case ${1:-status} in
   session) launch phase_s ;;
   verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
   graphs) launch phase_graphs ;;  # call 1 (with .gpu/1 and .whl): the CUDA-graphed trainer step (phase_graphs)
-  mfu) launch phase_mfu ;;  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
+  mfu) launch phase_mfu ;;
+  mfu-short) launch phase_mfu_short ;;  # call 1 (with .gpu/1 and .whl): MFU at both lengths first (phase_mfu_short)  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
   pair) launch phase_pair ;;  # call 1 on nvidia-h200-x2 (with .gpu/1 and .whl): issue 14's remaining figures
   regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   more)
