@@ -124,7 +124,10 @@ def setup(device: str) -> Dist:
     """Join the process group torchrun set up, if any; pick this rank's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist(0, 1, torch.device(device))
+        one = torch.device(device)
+        if one.type == "cuda" and one.index is None:  # tensors there say cuda:0, and cuda:0 != cuda: a check for
+            one = torch.device("cuda", 0)  # "already on the device" would copy (teacher_head: 1 GB at 8B)
+        return Dist(0, 1, one)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = device.startswith("cuda")
     if not tdist.is_initialized():  # rank 0 alone evaluates the held-out set while the others wait in a collective:

@@ -34,3 +34,12 @@ def test_a_collective_waits_thirty_minutes_or_what_the_environment_says(joined, 
         monkeypatch.setenv("HSTAP_DIST_TIMEOUT_S", bad)
         with pytest.raises(HstapError, match=f"HSTAP_DIST_TIMEOUT_S='{bad}': expected a positive number of seconds"):
             distributed.setup("cpu")
+
+
+def test_one_process_on_cuda_names_its_device_as_its_tensors_do(monkeypatch):
+    """`--device cuda` in one process is cuda:0, the device its tensors report: `torch.device("cuda")` compares
+    unequal to it, and the trainer's "already there" checks (the hidden teacher's head) made a second copy."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.setup("cuda").device == torch.device("cuda:0")
+    assert distributed.setup("cuda:1").device == torch.device("cuda:1")
+    assert distributed.setup("cpu").device == torch.device("cpu")
