@@ -138,6 +138,7 @@ class GraphedTTT:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = None  # one memory pool for every graph, made at the first capture
+        self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first capture
         self.inputs = SharedInputs(2 * batch_tokens if batch_tokens else None)  # graph_shape's most positions
         self.failure = ""  # the first capture error's first line, once one happened
         self.said_full = self.said_rows = False
@@ -188,7 +189,9 @@ class GraphedTTT:
                 p.grad = torch.zeros_like(p)
         captured = _Captured(self.inputs.views(batch_tensors(batch)))
         kept = [p.grad.clone() for p in self.params]  # the warm-ups' gradients are thrown away
-        side = torch.cuda.Stream()
+        if self.side is None:  # one stream for every capture's warm-ups: a new one each time comes round-robin
+            self.side = torch.cuda.Stream()  # from torch's pool of 32 and may be the input copies' stream
+        side = self.side
         try:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
