@@ -192,3 +192,18 @@ def test_calibration_prompts_are_the_rendered_first_turns(tokenizer, samples):
     rendered = {p.id: p.ids for p in load_prompts("sharegpt", tokenizer, limit=80)}
     for prompt in got:
         assert prompt.ids == rendered[prompt.id]
+
+
+def test_the_calibrations_serving_copy_carries_no_gradients_and_leaves_the_trainers():
+    """A trainer that keeps its gradients between steps (--cuda-graphs, --grad-reduce after: the graphs and the
+    flat buffer write into them) hands the calibration a drafter whose serving copy must not carry them (1.7 GB at
+    8B); the trainer's own gradients stay the very tensors the graphs write into."""
+    from hstap.train.calibrate import _without_gradients
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    copy = _without_gradients(model)
+    assert all(p.grad is None for p in copy.parameters())
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), model.parameters()))
