@@ -13,9 +13,9 @@ def add_arguments(parser) -> None:
 
 
 def run(cfg: TrainConfig) -> int:
-    from hstap.train.run import run_train
-
     import torch.distributed as tdist
+
+    from hstap.train.run import run_train
 
     result = run_train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank trains; rank 0 wrote the run, and says so
