@@ -87,12 +87,18 @@ def _canonical_json(data: bytes) -> bytes:
 _FINGERPRINTS: dict[tuple, str] = {}
 
 
+def _files_state(path: Path, files: list[Path]) -> tuple:
+    """What a per-process cache of `path`'s files is kept under: the directory and each file's size and mtime, so
+    an edited or replaced file makes a new entry."""
+    return (str(path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
 def fingerprint_dir(path: Path) -> str:
     """sha256 over the JSON files (canonical: install paths and library versions dropped) and every weight file's
     size and first/last MiB: cheap, weight-sensitive, and equal on every machine that holds the same model.
     Kept per process while no file changes (size, mtime): capture needs it before and after the model load."""
     files = sorted(p for p in path.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file())
-    key = (str(path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    key = _files_state(path, files)
     if key not in _FINGERPRINTS:
         _FINGERPRINTS[key] = _fingerprint(files)
     return _FINGERPRINTS[key]
@@ -215,8 +221,7 @@ def load_tokenizer(model: str):
     import copy
 
     path, _ = resolve_model_dir(model)  # a wrong --model is named before transformers is imported
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.endswith(".safetensors"))
-    key = (str(path.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    key = _files_state(path, sorted(p for p in path.iterdir() if p.is_file() and p.suffix != ".safetensors"))
     if key not in _TOKENIZERS:
         from transformers import AutoTokenizer
 
