@@ -65,9 +65,9 @@ def graph_shape(rows: int, length: int, batch_tokens: int | None) -> tuple[int, 
     each sorting window too — shares one graph; without it (fixed shapes, the benches), the batch's own.
 
     The shortest length counted is at least half the bucket: the first bucket holds lengths 1 to 64, and rows for
-    a batch of 1-token samples would pad a 64-position batch to 64 × `batch_tokens` positions. A graph so computes at most
-    twice `batch_tokens` positions (a single sample longer than that aside), and the rare batch of more rows than
-    its bucket's graph holds (samples all under 32 tokens) gets None: it runs eagerly."""
+    a batch of 1-token samples would pad a 64-position batch to 64 × `batch_tokens` positions. A graph so computes
+    at most twice `batch_tokens` positions (a single sample longer than that aside), and the rare batch of more rows
+    than its bucket's graph holds (samples all under 32 tokens) gets None: it runs eagerly."""
     padded = bucket_length(length)
     if batch_tokens is None:
         return rows, padded
