@@ -742,13 +742,13 @@ case ${1:-status} in
     ls -la "$OUT" 2>/dev/null ;;
   cont) launch phase_c ;;  # call 1 of a session that continues an earlier drafter: .gpu/data comes with parts 2, 3
   measure) launch phase_m ;;  # call 1 (with .gpu/1 and .whl) of a short session
-  session) launch phase_s ;;
+  session) launch phase_s ;;  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
   verify) launch phase_v ;;  # call 1 (with .gpu/1 and .whl): phase_v
   graphs) launch phase_graphs ;;  # call 1 (with .gpu/1 and .whl): the CUDA-graphed trainer step (phase_graphs)
-  mfu) launch phase_mfu ;;
-  mfu-short) launch phase_mfu_short ;;  # call 1 (with .gpu/1 and .whl): MFU at both lengths first (phase_mfu_short)  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
+  mfu) launch phase_mfu ;;  # call 1 (with .gpu/1 and .whl): issue 15's MFU pieces side by side (phase_mfu)
+  mfu-short) launch phase_mfu_short ;;  # call 1 (with .whl; .gpu/1..4 in later calls): MFU at both lengths first
   pair) launch phase_pair ;;  # call 1 on nvidia-h200-x2 (with .gpu/1 and .whl): issue 14's remaining figures
-  regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)  # call 1 (with .gpu/1 and .whl): measurements and the regeneration A/B (phase_s)
+  regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)
   more)
     setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &
