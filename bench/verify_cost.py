@@ -120,8 +120,8 @@ def us_per_call(call, reps: int, cuda: bool, calls: int = 30) -> float:
 def gemm_table(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[str, int, float, float]]:
     """(name, M, µs per F.linear, µs per x @ Wt) for each of the target's matmul shapes, 30 calls per graph."""
     layer = rt.lean.layers[0]
-    shapes = {"qkv": layer.qkv, "o": layer.o, "gate_up": gate_up_rows(rt), "down": layer.down,
-              "lm_head": rt.lean.lm_head}
+    shapes = {"qkv": layer.qkv.weight, "o": layer.o.weight, "gate_up": gate_up_rows(rt), "down": layer.down.weight,
+              "lm_head": rt.lean.lm_head.weight}
     rows = []
     for name, weight in shapes.items():
         transposed = weight.t().contiguous()  # (K, N)
@@ -152,7 +152,7 @@ def mlp_forms(rt: Runtime, qs: list[int], reps: int, cuda: bool) -> list[tuple[i
 
     def columns(x):
         both = torch.mm(gate_up, x.t())  # (2I, M)
-        return F.linear((F.silu(both[:inner]) * both[inner:]).t(), layers["chunk"].down)
+        return layers["chunk"].down((F.silu(both[:inner]) * both[inner:]).t())
 
     forms = {"chunk": lambda x: gated_mlp(layers["chunk"], x), "columns": columns,
              "batched": lambda x: gated_mlp(layers["batched"], x)}

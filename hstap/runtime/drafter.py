@@ -26,10 +26,15 @@ from hstap.drafter import Eagle3Drafter, draft_to_target_ids
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.graphs import InCapture
 from hstap.runtime.kv import KVCache
+from hstap.runtime.linear import Projection
 
 
 class LeanDrafter:
-    """The drafter's step from fused weights; `target_ids` maps draft ids to target ids."""
+    """The drafter's step from fused weights; `target_ids` maps draft ids to target ids. Eager on a CPU in fp32,
+    the head keeps oneDNN's copy of its weight (`hstap.runtime.linear`): a tree drafts several rows a step
+    through it (tree:8,8,60's drafting 31.1 → 20.7 ms on a 2-core CPU, `bench/forward_cost.py --reorder on off`,
+    2026-12-05). The layer's weights stay as they are: read again at every step, they stay in the CPU's cache,
+    where MKL multiplies as fast (a chain's drafting was 0.5 ms slower with them reordered too)."""
 
     @torch.no_grad()
     def __init__(self, drafter: Eagle3Drafter, fused: bool | None = None):
@@ -46,10 +51,10 @@ class LeanDrafter:
         self.qkv, self.gate_up = drafter.stacked_weights(attn.q_proj.weight.dtype)  # ((nh+2nkv)·hd, 2H), (2I, H)
         self.o = grouped_o(attn.o_proj.weight, self.heads, self.kv_heads)  # cache_attention's head order
         self.down = mlp.down_proj.weight
-        self.lm_head = drafter.lm_head.weight
+        use = self.embed.device.type == "cuda" if fused is None else fused
+        self.lm_head = Projection(drafter.lm_head.weight, reorder=False if use else None)  # compiled: F.linear
         self.inv_freq = drafter.rotary.inv_freq
         self.target_ids = draft_to_target_ids(drafter.d2t).to(self.embed.device)  # (Vd,)
-        use = self.embed.device.type == "cuda" if fused is None else fused
         self._step = InCapture(self._forward, use, "the drafter's fused step")
 
     @property
@@ -98,4 +103,4 @@ class LeanDrafter:
         hidden = hidden + F.linear(out, self.o)
         gate, up = F.linear(F.rms_norm(hidden, shape, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, self.down)
-        return hidden, F.linear(F.rms_norm(hidden, shape, self.norm, self.eps), self.lm_head)
+        return hidden, self.lm_head(F.rms_norm(hidden, shape, self.norm, self.eps))

@@ -16,7 +16,10 @@ rounds once where transformers rounds twice, so bf16 logits differ from transfor
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +27,20 @@ import torch.nn.functional as F
 from hstap.errors import HstapError
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.kv import KV_WRITES, KVCache
+from hstap.runtime.linear import Projection, wants_reorder
+
+T = TypeVar("T")
 
 
 @dataclass
 class _Layer:
     ln1: torch.Tensor  # (H,)
-    qkv: torch.Tensor  # ((nh + 2·nkv)·hd, H)
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # (H, nh·hd), input columns in cache_attention's head order (attention.grouped_o)
-    o_bias: torch.Tensor | None
+    qkv: Projection  # ((nh + 2·nkv)·hd, H)
+    o: Projection  # (H, nh·hd), input columns in cache_attention's head order (attention.grouped_o)
     ln2: torch.Tensor
-    gate_up: torch.Tensor | None  # (2·I, H), the "chunk" form; None in the "batched" form
-    gate_up_bias: torch.Tensor | None
+    gate_up: Projection | None  # (2·I, H), the "chunk" form; None in the "batched" form
     gate_up_stacked: torch.Tensor | None  # (2, H, I), the "batched" form; None in the "chunk" form
-    down: torch.Tensor  # (H, I)
-    down_bias: torch.Tensor | None
+    down: Projection  # (H, I)
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -64,6 +66,24 @@ def _bias(*modules) -> torch.Tensor | None:
     return torch.cat([m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules])
 
 
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {key: (parameter state, weights)}
+
+
+def fused_weights(model: torch.nn.Module, key: tuple, fuse: Callable[[], T]) -> T:
+    """`fuse()`'s weights for `model` and `key`, made once and reused while the model's parameters are the same
+    tensors at the same versions (an in-place update or a move makes them again). Synth, the engine, evaluation
+    and the tests build a runtime per batch, request or test over one model: each fused every layer again and,
+    on a CPU, reordered 538 MB of weights for oneDNN (0.2 s alone, 4-11 s beside a second pytest worker)."""
+    try:
+        state = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    except RuntimeError:  # inference tensors keep no version: nothing tells a changed weight, so no reuse
+        return fuse()
+    per_model = _FUSED.setdefault(model, {})
+    if key not in per_model or per_model[key][0] != state:
+        per_model[key] = (state, fuse())
+    return per_model[key][1]
+
+
 MLP_FORMS = ("chunk", "batched")
 
 
@@ -84,18 +104,20 @@ def gated_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     if layer.gate_up_stacked is not None:
         rows = x.reshape(-1, x.shape[-1])  # (M, H)
         both = torch.bmm(rows.expand(2, *rows.shape), layer.gate_up_stacked)  # (2, M, I)
-        return F.linear(F.silu(both[0]) * both[1], layer.down, layer.down_bias).view(*x.shape[:-1], -1)
-    gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # (B, Q, I) each
-    return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return layer.down(F.silu(both[0]) * both[1]).view(*x.shape[:-1], -1)
+    gate, up = layer.gate_up(x).chunk(2, dim=-1)  # (B, Q, I) each
+    return layer.down(F.silu(gate) * up)
 
 
 class LeanLlama:
     """The target's forward over a static cache, from fused copies of its weights (made once). `mlp_form`:
     "chunk" or "batched" (`gated_mlp`); None picks the one measured faster on the weights' device. `kv_write`: the
-    caches' write form (`kv.KVCache`)."""
+    caches' write form (`kv.KVCache`). `reorder`: whether the projections keep oneDNN's copy of their weights for
+    products of four rows or more (`hstap.runtime.linear`; None: for fp32 weights on a CPU)."""
 
     @torch.no_grad()
-    def __init__(self, model: torch.nn.Module, mlp_form: str | None = None, kv_write: str = "scatter"):
+    def __init__(self, model: torch.nn.Module, mlp_form: str | None = None, kv_write: str = "scatter",
+                 reorder: bool | None = None):
         reason = unsupported(model)
         if reason is not None:
             raise HstapError(f"the decoding runtime runs Llama-family targets only: {reason}")
@@ -116,24 +138,36 @@ class LeanLlama:
         self.inv_freq = inner.rotary_emb.inv_freq
         self.rope_scale = float(inner.rotary_emb.attention_scaling)
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
         mlp = inner.layers[0].mlp
         self.mlp_form = mlp_form or mlp_form_for(self.embed.device, _bias(mlp.gate_proj, mlp.up_proj) is not None)
-        self.layers = [self._fuse(layer, self.heads, self.kv_heads, self.mlp_form) for layer in inner.layers]
+        reorder = wants_reorder(self.embed, reorder)  # resolved here: the key of the fused weights' cache
+
+        def fuse() -> tuple[Projection, list[_Layer]]:
+            return (Projection(model.lm_head.weight, reorder=reorder),
+                    [self._fuse(layer, self.heads, self.kv_heads, self.mlp_form, reorder) for layer in inner.layers])
+
+        self.lm_head, self.layers = fused_weights(model, (self.mlp_form, reorder), fuse)
+
+    @property
+    def reordered_bytes(self) -> int:
+        """Bytes of the projections' oneDNN copies (0 where there are none)."""
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p]
+        return sum(p.extra_bytes for p in [self.lm_head, *projections])
 
     @staticmethod
-    def _fuse(layer, heads: int, kv_heads: int, mlp_form: str) -> _Layer:
+    def _fuse(layer, heads: int, kv_heads: int, mlp_form: str, reorder: bool | None) -> _Layer:
         a, m = layer.self_attn, layer.mlp
         gate_up_bias = _bias(m.gate_proj, m.up_proj)
         if mlp_form == "batched" and gate_up_bias is not None:
             raise HstapError("the batched MLP form has no bias term: this target's gate/up projections have biases")
         stacked = mlp_form == "batched"  # one copy of the weights either way: (2, H, I) or (2·I, H)
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+        gate_up = None if stacked else torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()
         return _Layer(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                      qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
-                      qkv_bias=_bias(a.q_proj, a.k_proj, a.v_proj), o_bias=a.o_proj.bias,
-                      o=grouped_o(a.o_proj.weight, heads, kv_heads),
-                      gate_up=None if stacked else torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
-                      gate_up_bias=gate_up_bias, down=m.down_proj.weight, down_bias=m.down_proj.bias,
+                      qkv=Projection(qkv, _bias(a.q_proj, a.k_proj, a.v_proj), reorder),
+                      o=Projection(grouped_o(a.o_proj.weight, heads, kv_heads), a.o_proj.bias, reorder),
+                      gate_up=None if gate_up is None else Projection(gate_up, gate_up_bias, reorder),
+                      down=Projection(m.down_proj.weight, m.down_proj.bias, reorder),
                       gate_up_stacked=torch.stack([m.gate_proj.weight.t(), m.up_proj.weight.t()]).contiguous()
                       if stacked else None)
 
@@ -170,7 +204,7 @@ class LeanLlama:
                 aux.append(h)
         if last_only:
             h = h[:, -1:]  # (B, 1, H); aux keeps every position
-        logits = F.linear(F.rms_norm(h, h.shape[-1:], self.norm, self.eps), self.lm_head)  # (B, Q or 1, V)
+        logits = self.lm_head(F.rms_norm(h, h.shape[-1:], self.norm, self.eps))  # (B, Q or 1, V)
         order = sorted(set(aux_layers))
         return logits, (torch.cat([aux[order.index(k)] for k in aux_layers], -1) if aux_layers else None)
 
@@ -178,10 +212,10 @@ class LeanLlama:
                    kv: KVCache, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
+        qkv = layer.qkv(x).view(b, s, nh + 2 * nkv, hd)  # (B, Q, nh+2nkv, hd)
         rows, k = rotary_qk(qkv, nh, nkv, cos, sin)  # (B, nkv, Q·G, hd), (B, Q, nkv, hd)
         kv.write(i, index, k.transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2))  # (B, nkv, Q, hd)
         span = mask.shape[-1]
         out = cache_attention(rows, kv.keys(i)[:, :, :span], kv.values(i)[:, :, :span], mask, self.scale,
                               s)  # (B, Q, nh·hd)
-        return F.linear(out, layer.o, layer.o_bias)
+        return layer.o(out)

@@ -148,17 +148,18 @@ class Runtime:
     `hf` engine's capture taps); both give the same logits, cache rows and aux states (fp32: to rounding).
     `prefill_bucket`: with graphs, a whole-batch lean prefill is padded to a multiple of it and replayed from one
     graph per width (`prefill_width`); 0 keeps every prefill eager. `mlp_form`: `LeanLlama`'s (None: the one
-    measured faster on the model's device); `kv_write`: its cache's write form (`kv.KVCache`)."""
+    measured faster on the model's device); `kv_write`: its cache's write form (`kv.KVCache`); `reorder`: its
+    projections' oneDNN copies (`hstap.runtime.linear`; None: on a CPU in fp32, never with `compile_step`)."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, cuda_graphs: bool | None = None,
                  len_bucket: int = LEN_BUCKET, max_slots: int = 3, compile_step: bool = False,
                  rehearse: bool = False, prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET,
-                 mlp_form: str | None = None, kv_write: str = "scatter"):
+                 mlp_form: str | None = None, kv_write: str = "scatter", reorder: bool | None = None):
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {prefill!r}")
         self.prefill_path, self.prefill_bucket = prefill, prefill_bucket
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
-        self.lean = LeanLlama(model, mlp_form, kv_write)
+        self.lean = LeanLlama(model, mlp_form, kv_write, False if compile_step else reorder)
         self.device = self.lean.embed.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"

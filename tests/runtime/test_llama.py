@@ -19,7 +19,7 @@ from tests.bench_scripts import bench_script
 
 @pytest.fixture(scope="module")
 def forms(target) -> dict[str, LeanLlama]:
-    return {form: LeanLlama(target.model, form) for form in ("chunk", "batched")}
+    return {form: LeanLlama(target.model, form, reorder=False) for form in ("chunk", "batched")}  # MKL as transformers
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -88,7 +88,7 @@ def test_the_form_follows_the_device_and_bad_forms_are_one_line(target):
     with pytest.raises(ValueError, match="mlp_form must be one of chunk, batched or None, got 'fused'"):
         LeanLlama(target.model, "fused")
     with pytest.raises(HstapError, match="batched MLP form has no bias"):
-        LeanLlama._fuse(_biased_layer(target), 9, 3, "batched")
+        LeanLlama._fuse(_biased_layer(target), 9, 3, "batched", None)
 
 
 def _biased_layer(target):
@@ -98,3 +98,27 @@ def _biased_layer(target):
     layer = copy.deepcopy(target.model.model.layers[0])
     layer.mlp.gate_proj.bias = torch.nn.Parameter(torch.zeros(layer.mlp.gate_proj.out_features))
     return layer
+
+
+@torch.no_grad()
+def test_fused_weights_are_made_once_per_model_and_again_after_a_weight_changes(target):
+    """Runtimes over one model share its fused (and on a CPU reordered) weights; an in-place update of a weight
+    makes them again, so a forward never multiplies by a stale copy."""
+    model = target.model
+    first, second = LeanLlama(model), LeanLlama(model)
+    assert first.layers is second.layers and first.lm_head is second.lm_head
+    assert LeanLlama(model, reorder=False).layers is not first.layers  # its own key
+    q = model.model.layers[2].self_attn.q_proj.weight
+    saved = q.clone()
+    x = torch.randn(5, q.shape[1])
+    try:
+        q.mul_(2)
+        changed = LeanLlama(model)
+        assert changed.layers is not first.layers
+        rows = q.shape[0]
+        close = dict(rtol=1e-4, atol=1e-4)  # two GEMM libraries' fp32 rounding; a stale weight is off by 2x
+        torch.testing.assert_close(changed.layers[2].qkv(x)[:, :rows], F.linear(x, q), **close)  # 5 rows: oneDNN
+        torch.testing.assert_close(first.layers[2].qkv(x)[:, :rows], F.linear(x, saved), **close)  # its own copy
+    finally:
+        q.copy_(saved)
+    assert LeanLlama(model).layers is not first.layers  # restored in place: a new version, made again
