@@ -40,7 +40,7 @@ def test_products_are_exact_to_fp32_and_reordered_from_four_rows(rows, with_bias
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=g)
     bias = torch.randn(96, generator=g) if with_bias else None
-    proj = Projection(weight, bias)
+    proj = Projection(weight, bias, reorder=True)  # True: whatever HSTAP_CPU_REORDER the caller's shell has
     assert proj.reordered is not None and proj.extra_bytes == weight.numel() * 4
     x = torch.randn(rows, 2, 80, generator=g).transpose(0, 1)  # (2, rows, 80), not contiguous
     got = proj(x)
@@ -71,7 +71,7 @@ def test_a_build_without_working_ops_is_said_once_and_falls_back(monkeypatch, ca
     reorder_works.cache_clear()
     try:
         weight = torch.randn(16, 8)
-        first, second = Projection(weight), Projection(weight)
+        first, second = Projection(weight, reorder=True), Projection(weight, reorder=True)
         assert first.reordered is None and second.reordered is None
         x = torch.randn(6, 8)
         assert torch.equal(first(x), F.linear(x, weight))
@@ -88,7 +88,7 @@ def test_a_build_without_working_ops_is_said_once_and_falls_back(monkeypatch, ca
 def test_smollm2_lean_forward_agrees_with_and_without_the_copies(target):
     """The real SmolLM2 in fp32: a 300-token prefill and a 4-token block (what verifies chain:3) give the same
     logits and next tokens through oneDNN's copies as through MKL, to fp32 rounding."""
-    on, off = LeanLlama(target.model), LeanLlama(target.model, reorder=False)
+    on, off = LeanLlama(target.model, reorder=True), LeanLlama(target.model, reorder=False)
     assert on.reordered_bytes > 0.9 * sum(p.numel() * 4 for p in target.model.parameters())
     assert off.reordered_bytes == 0
     torch.manual_seed(0)

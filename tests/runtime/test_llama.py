@@ -105,15 +105,16 @@ def test_fused_weights_are_made_once_per_model_and_again_after_a_weight_changes(
     """Runtimes over one model share its fused (and on a CPU reordered) weights; an in-place update of a weight
     makes them again, so a forward never multiplies by a stale copy."""
     model = target.model
-    first, second = LeanLlama(model), LeanLlama(model)
+    first, second = LeanLlama(model, reorder=True), LeanLlama(model, reorder=True)
     assert first.layers is second.layers and first.lm_head is second.lm_head
-    assert LeanLlama(model, reorder=False).layers is not first.layers  # its own key
+    if first.reordered_bytes:  # oneDNN works here: the copies are part of the key
+        assert LeanLlama(model, reorder=False).layers is not first.layers
     q = model.model.layers[2].self_attn.q_proj.weight
     saved = q.clone()
     x = torch.randn(5, q.shape[1])
     try:
         q.mul_(2)
-        changed = LeanLlama(model)
+        changed = LeanLlama(model, reorder=True)
         assert changed.layers is not first.layers
         rows = q.shape[0]
         close = dict(rtol=1e-4, atol=1e-4)  # two GEMM libraries' fp32 rounding; a stale weight is off by 2x
@@ -121,4 +122,4 @@ def test_fused_weights_are_made_once_per_model_and_again_after_a_weight_changes(
         torch.testing.assert_close(first.layers[2].qkv(x)[:, :rows], F.linear(x, saved), **close)  # its own copy
     finally:
         q.copy_(saved)
-    assert LeanLlama(model).layers is not first.layers  # restored in place: a new version, made again
+    assert LeanLlama(model, reorder=True).layers is not first.layers  # restored in place: a new version
