@@ -1,7 +1,7 @@
 """Why the graphed trainer's capture fails on a GPU where bench/train_throughput.py --graph captures: the GPU test
 tests/train/test_graphed.py::test_replayed_steps_equal_eager_steps_and_accumulate_like_backward, with variants.
 
-    python bench/graphed_diag.py VARIANT     # base | warn-error | plain-mm | gc | no-eager-first
+    python bench/graphed_diag.py VARIANT     # base | warn-error | del-loss | plain-mm | gc | no-eager-first | trainer
 
 Prints whether the two shapes captured and, with warn-error, where autograd saw an AccumulateGrad node on
 another stream (the warning turned into an exception: its traceback names the step)."""
@@ -43,14 +43,34 @@ model = TTTModel(drafter, t2d_ids.cuda(), steps=3, decay=0.8)
 batches = [_batch(2, s, [s, s - 3], seed=k).to("cuda") for k, s in enumerate((30, 100, 31, 97))]
 device = torch.device("cuda")
 try:
-    if variant != "no-eager-first":
-        for batch in batches:
+    if variant == "trainer":  # as hstap train --cuda-graphs --grad-accum 2 runs it: an eager model first, then
+        # a fresh one graphed with padded rows, AdamW steps and gradients zeroed in place
+        for batch in batches[:2]:
             with autocast(device):
-                loss = model(*batch_tensors(pad_batch(batch, bucket_length(batch.input_ids.shape[1]))))[0]
-            (loss / 4).backward()
-        drafter.zero_grad(set_to_none=True)
-    graphed = GraphedTTT(model, grad_scale=1 / 4)
-    losses = [graphed(batch, autocast(device))[0] for batch in batches]
+                model(*batch_tensors(batch))[0].backward()
+        torch.manual_seed(1)
+        drafter, t2d_ids = _tiny_drafter()
+        drafter = drafter.cuda()
+        model = TTTModel(drafter, t2d_ids.cuda(), steps=3, decay=0.8)
+        opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
+        graphed = GraphedTTT(model, grad_scale=1 / 2, batch_tokens=512)
+        losses = []
+        for step in range(6):
+            for batch in batches[2 * (step % 2): 2 * (step % 2) + 2]:
+                losses.append(graphed(batch, autocast(device))[0])
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    else:
+        if variant != "no-eager-first":
+            for batch in batches:
+                with autocast(device):
+                    loss = model(*batch_tensors(pad_batch(batch, bucket_length(batch.input_ids.shape[1]))))[0]
+                (loss / 4).backward()
+            drafter.zero_grad(set_to_none=True)
+            if variant == "del-loss":
+                del loss  # the last eager graph, and the AccumulateGrad nodes it made on the default stream
+        graphed = GraphedTTT(model, grad_scale=1 / 4)
+        losses = [graphed(batch, autocast(device))[0] for batch in batches]
     torch.cuda.synchronize()
     print(f"{variant}: graphs {len(graphed.graphs)}, failure {graphed.failure!r}, losses {[float(x) for x in losses]}")
 except Exception:
