@@ -24,6 +24,9 @@ What a replay needs, and how it is kept:
   would hold ~8 GB of them.
 Several ranks: DDP's all-reduce hooks would not run in a replay, so the ranks' gradients are averaged after the
 step instead (hstap.train.gradsync, `hstap train --grad-reduce after`).
+A caller must not keep an earlier eager step's graph alive (an undeleted loss) into a capture: autograd reuses the
+parameters' AccumulateGrad nodes while a graph holds them, with the stream they were made on, and the capture,
+synced with that stream, fails (said once; the run goes on eagerly). The trainer keeps only detached losses.
 """
 
 from __future__ import annotations

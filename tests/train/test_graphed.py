@@ -230,6 +230,9 @@ def test_replayed_steps_equal_eager_steps_and_accumulate_like_backward():
             loss = model(*batch_tensors(pad_batch(batch, bucket_length(batch.input_ids.shape[1]))))[0]
         (loss / 4).backward()
         eager_losses.append(loss.detach())
+    # the last loss would keep its graph alive, and with it the parameters' AccumulateGrad nodes, made on the default
+    # stream: a capture reusing them syncs with that stream and fails (on an H100, 2026-12-05)
+    del loss
     eager_grads = [p.grad.clone() for p in params]
     drafter.zero_grad(set_to_none=True)
     graphed = GraphedTTT(model, grad_scale=1 / 4)
@@ -255,7 +258,7 @@ def test_hstap_train_with_cuda_graphs_trains_like_without(small_store, tmp_path,
             for name, graphs in (("eager", False), ("graphs", True))]
     assert "as a CUDA graph failed" not in capsys.readouterr().err
     losses = [[r["loss"] for r in load_metrics(run.out / "metrics.jsonl") if r["kind"] == "train"] for run in runs]
-    assert len(losses[1]) == 6
+    assert len(losses[1]) == len(losses[0]) == 5  # one epoch of the small store (max_steps 6 is not reached)
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-2, atol=0)
 
 
