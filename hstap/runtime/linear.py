@@ -3,11 +3,12 @@ products of four rows or more.
 
 A decoding forward streams every weight from memory once, so a 4-token verification should cost about what a
 1-token step does. On a CPU it did not: PyTorch's default fp32 GEMM (MKL) repacks the weight on every call from
-four rows on, and a chain:3 verification cost 1.48 decoding steps (2-core AMD EPYC VM, torch 2.13, SmolLM2 in
-fp32, `bench/forward_cost.py`, 2026-12-05). oneDNN multiplies by a copy reordered once into its blocked layout:
-SmolLM2's 121 projections streamed at 4 rows took 23.6 ms instead of 34.9, at 8 rows 27.5 instead of 47.9, at a
-300-token prefill 190 instead of 550; at one to three rows it is 10-15 % slower than MKL (22.1 against 19.9 ms at
-one row), so those products keep MKL, and vanilla decoding, the speedups' baseline, is what it was.
+four rows on, and a chain:3 verification cost 1.57 decoding steps (1.26 through the copies below; 2-core AMD
+EPYC VM, torch 2.13, SmolLM2 in fp32, `bench/forward_cost.py --reorder on off`, 2026-12-05). oneDNN multiplies
+by a copy reordered once into its blocked layout: SmolLM2's 121 projections streamed at 4 rows took 23.6 ms
+instead of 34.9, at 8 rows 27.5 instead of 47.9, at a 300-token prefill 190 instead of 550; at one to three rows
+it is 10-15 % slower than MKL (22.1 against 19.9 ms at one row), so those products keep MKL, and vanilla
+decoding, the speedups' baseline, is what it was.
 
 The copy costs the weights' bytes once more (538 MB for SmolLM2 in fp32). It is made for fp32 CPU weights when
 PyTorch was built with oneDNN (`reorder=None`, the default; `HSTAP_CPU_REORDER=0` turns the default off, for
