@@ -5,10 +5,10 @@ A decoding forward streams every weight from memory once, so a 4-token verificat
 1-token step does. On a CPU it did not: PyTorch's default fp32 GEMM (MKL) repacks the weight on every call from
 four rows on, and a chain:3 verification cost 1.57 decoding steps (1.26 through the copies below; 2-core AMD
 EPYC VM, torch 2.13, SmolLM2 in fp32, `bench/forward_cost.py --reorder on off`, 2026-12-05). oneDNN multiplies
-by a copy reordered once into its blocked layout: SmolLM2's 121 projections streamed at 4 rows took 23.6 ms
-instead of 34.9, at 8 rows 27.5 instead of 47.9, at a 300-token prefill 190 instead of 550; at one to three rows
-it is 10-15 % slower than MKL (22.1 against 19.9 ms at one row), so those products keep MKL, and vanilla
-decoding, the speedups' baseline, is what it was.
+by a copy reordered once into its blocked layout: SmolLM2's 121 projections streamed at 4 rows took 29.6 ms
+instead of 40.8, at 8 rows 33.7 instead of 52.2, at a 300-token prefill 237 instead of 252; at one to three rows
+it is 15-22 % slower than MKL (26.8 against 21.9 ms at one row: `bench/cpu_gemm.py`, same VM and day), so those
+products keep MKL, and vanilla decoding, the speedups' baseline, is what it was.
 
 The copy costs the weights' bytes once more (538 MB for SmolLM2 in fp32). It is made for fp32 CPU weights when
 PyTorch was built with oneDNN (`reorder=None`, the default; `HSTAP_CPU_REORDER=0` turns the default off, for
@@ -30,12 +30,23 @@ from hstap.errors import HstapError
 REORDERED_FROM_ROWS = 4  # products of fewer rows run MKL (measured faster there, module docstring)
 
 
+def _reordered(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight` (N, K), laid out for products of four rows; any row count multiplies by
+    it. Laid out for one row instead, 2 to 8 rows ran 28-37 % slower (`bench/cpu_gemm.py --reorder-hint 1`,
+    2-core EPYC, 2026-12-05)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FROM_ROWS)
+
+
+def _onednn_linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) · Wᵀ + b through oneDNN, W given as `_reordered(W)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+
 @functools.cache
 def reorder_works() -> str | None:
     """None when oneDNN's reordered products work in this process (checked once on a small product), else why
     not (said once on stderr)."""
     reason = None
-    ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available():
         reason = "PyTorch was built without oneDNN"
     else:
@@ -44,8 +55,7 @@ def reorder_works() -> str | None:
             weight = torch.randn(40, 24, generator=generator)
             bias = torch.randn(40, generator=generator)
             x = torch.randn(2, 5, 24, generator=generator)
-            got = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, REORDERED_FROM_ROWS), bias, "none",
-                                        [], "")
+            got = _onednn_linear(x, _reordered(weight), bias)
             if not torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5):
                 reason = "its products differ from F.linear's"
         except (RuntimeError, AttributeError) as err:  # an op this build lacks or refuses
@@ -76,13 +86,12 @@ class Projection:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, reorder: bool | None = None):
         self.weight, self.bias = weight, bias
-        self.reordered = (torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FROM_ROWS)
-                          if wants_reorder(weight, reorder) else None)
+        self.reordered = _reordered(weight) if wants_reorder(weight, reorder) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) → (..., N)."""
         if self.reordered is not None and x.numel() >= REORDERED_FROM_ROWS * x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.reordered, self.bias, "none", [], "")
+            return _onednn_linear(x, self.reordered, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property

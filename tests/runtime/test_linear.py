@@ -1,6 +1,7 @@
 """The runtime's projections (hstap.runtime.linear): oneDNN's reordered weights on a CPU from four rows on, MKL
 below; both within fp32's dot-product error bound of the exact product; the switch and a broken build fall back
-to F.linear; the real SmolLM2's lean forward and speculative decoding agree with the copies on and off."""
+to F.linear; the real SmolLM2's lean forward agrees with the copies on and off (speculative decoding's greedy
+identity with vanilla, copies on by default, is tests/runtime/test_spec.py's)."""
 
 from __future__ import annotations
 
