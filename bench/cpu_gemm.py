@@ -1,0 +1,83 @@
+"""What a CPU forward's projections cost by row count, three ways: PyTorch's default (`F.linear`, MKL), oneDNN
+with the weight reordered once (what `hstap.runtime.linear.Projection` uses from four rows on), and MKL's own
+packed weights (`_mkl_linear`, one pack per row count). The weights have SmolLM2's shapes (fused q/k/v, o,
+gate/up, down per layer, then the lm_head), are random and distinct, so each pass streams them from memory as a
+decoding forward does.
+
+    python bench/cpu_gemm.py [--rows 1 2 3 4 5 8 16 61 300] [--reps 11] [--no-mkl-packed] [--reorder-hint 4]
+
+Median ms of one pass over all projections, per row count; the arms alternate in one process. `--reorder-hint`:
+the row count oneDNN's copy is laid out for (the runtime's: `REORDERED_FROM_ROWS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hstap.runtime.linear import REORDERED_FROM_ROWS
+
+
+def smollm2_shapes() -> list[tuple[int, int]]:
+    """(out, in) of SmolLM2-135M's projections as the runtime fuses them: 30 layers, then the lm_head."""
+    hidden, inner, heads, kv_heads, layers, vocab = 576, 1536, 9, 3, 30, 49152
+    head_dim = hidden // heads
+    layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, hidden), (2 * inner, hidden), (hidden, inner)]
+    return layer * layers + [(vocab, hidden)]
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()  # warm-up: the primitives are made, the pages touched
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 61, 300])
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--no-mkl-packed", action="store_true", help="skip MKL's packed arm (3.7x the weights' bytes)")
+    ap.add_argument("--reorder-hint", type=int, default=REORDERED_FROM_ROWS)
+    args = ap.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=generator) for out, inp in smollm2_shapes()]
+    mkldnn = torch.ops.mkldnn
+    reordered = [mkldnn._reorder_linear_weight(w, args.reorder_hint) for w in weights]
+    mb = sum(w.numel() * 4 for w in weights) / 1e6
+    print(f"date {datetime.date.today()}, {platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, fp32, {len(weights)} projections, {mb:.0f} MB of weights, oneDNN's copy "
+          f"laid out for {args.reorder_hint} rows")
+    print(f"command: python {' '.join(sys.argv)}")
+    arms = ["F.linear (MKL)", "oneDNN, reordered once"] + ([] if args.no_mkl_packed else ["MKL packed per row count"])
+    print(f"\n| rows | {' | '.join(arms)} |\n|---:|" + "---:|" * len(arms))
+    packed_mb = {}
+    with torch.inference_mode():
+        for m in args.rows:
+            xs = [torch.randn(m, w.shape[1], generator=generator) for w in weights]
+            row = [median_ms(lambda: [F.linear(x, w) for x, w in zip(xs, weights)], args.reps),
+                   median_ms(lambda: [mkldnn._linear_pointwise(x, r, None, "none", [], "")
+                                      for x, r in zip(xs, reordered)], args.reps)]
+            if not args.no_mkl_packed:  # its pack is used only at exactly the row count it was made for
+                packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+                packed_mb[m] = sum(p.numel() * p.element_size() for p in packed) / 1e6
+                row.append(median_ms(lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, m)
+                                              for x, p, w in zip(xs, packed, weights)], args.reps))
+                del packed
+            print(f"| {m} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+    if packed_mb:
+        print("\nMKL's packs, MB per row count: " + ", ".join(f"{m}: {v:.0f}" for m, v in packed_mb.items()))
+
+
+if __name__ == "__main__":
+    main()
