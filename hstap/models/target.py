@@ -74,13 +74,17 @@ def _package_dir(package: str) -> Path:
 
 
 VOLATILE_KEYS = {"transformers_version"}  # and every key starting with "_" (e.g. `_name_or_path`, the install path)
+# Keys that name how a model is loaded, not what it is: read as null. Conversions before 2026-12-06 wrote
+# `"architectures": null`, and the same weights keep the print drafters and stores were made against.
+LOADER_KEYS = {"architectures"}
 
 
 def _canonical_json(data: bytes) -> bytes:
     """A JSON file without what differs between installs of the same model, so the fingerprint travels."""
     obj = json.loads(data)
     if isinstance(obj, dict):
-        obj = {k: v for k, v in obj.items() if not k.startswith("_") and k not in VOLATILE_KEYS}
+        obj = {k: None if k in LOADER_KEYS else v for k, v in obj.items()
+               if not k.startswith("_") and k not in VOLATILE_KEYS}
     return json.dumps(obj, sort_keys=True).encode()
 
 
@@ -128,6 +132,7 @@ def _save_dequantized(model: torch.nn.Module, out: Path) -> None:
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]  # GGUF loading leaves it null, and engines refuse that
     (out / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -175,12 +180,28 @@ def _convert_once(name: str, dest: Path) -> None:
             _convert_gguf(name, dest)
 
 
+def _name_architecture(dest: Path) -> None:
+    """Conversions before 2026-12-06 left `"architectures": null` in config.json, on which SGLang and vLLM fail
+    to pick a model class: name it in place (atomically; the fingerprint ignores the key)."""
+    path = dest / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures"):
+        return
+    config["architectures"] = ["LlamaForCausalLM"] if config.get("model_type") == "llama" else config.get(
+        "architectures")
+    if config["architectures"]:
+        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, path)
+
+
 def resolve_model_dir(model: str) -> tuple[Path, str]:
     """Map `smollm2` or a directory to (checkpoint dir, model id), converting the GGUF on first use."""
     if model in EMBEDDED:
         dest = cache_root() / "models" / model
         if not (dest / "config.json").exists():
             _convert_once(model, dest)
+        _name_architecture(dest)
         return dest, EMBEDDED[model][2]
     path = Path(model)
     if not (path / "config.json").exists():
