@@ -30,8 +30,13 @@ FILES = ("config.json", "model.safetensors", "hstap.json")
 
 
 def read_drafter(drafter_dir: Path | str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """A training run directory's config and tensors, checked against the shapes the config implies."""
+    """A training run directory's (or a shipped drafter's: `reference`) config and tensors, checked against the
+    shapes the config implies."""
+    from hstap.drafter.shipped import resolve_drafter, shipped_names
+
     run = Path(drafter_dir)
+    if not run.exists() and str(drafter_dir) in shipped_names():
+        run = resolve_drafter(drafter_dir)  # what `hstap eval --drafter reference` evaluates, exported as is
     if not run.is_dir():
         raise HstapError(f"{run}: no such drafter directory (expected a run directory written by `hstap train`)")
     cfg = DrafterConfig.load(run / "config.json")

@@ -15,7 +15,8 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    drafter: Path = option(help="training run directory (config.json + model.safetensors)")
+    drafter: Path = option(help="training run directory (config.json + model.safetensors) or a shipped drafter's name "
+                                "(reference = smollm2-recipe)")
     format: Literal["sglang", "vllm"] | None = option(None, "the engine that loads it (required unless --check)")
     out: Path = option(help="directory to create (with --check: the export to check)")
     dtype: Dtype = option("bf16", "floating-point weight dtype")

@@ -395,3 +395,14 @@ def test_a_really_full_disk_is_one_line_and_leaves_nothing(run_dir, tiny_disk, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "nothing was written" in err, err
     assert list(tiny_disk.iterdir()) == []
+
+
+def test_a_shipped_drafter_exports_by_name(tmp_path, capsys):
+    """`--drafter reference` names the drafter `hstap eval --drafter reference` evaluates (hstap.drafter.shipped):
+    export and check take the name too, not only a run directory (tests/live/test_vllm_eagle.py serves it)."""
+    out = tmp_path / "ref-vllm"
+    assert main(["export", "--drafter", "reference", "--format", "vllm", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and config["draft_vocab_size"] == 16384
+    assert main(["export", "--drafter", "reference", "--out", str(out), "--check"]) == 0
+    assert "matches drafter reference" in capsys.readouterr().out
