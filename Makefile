@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+# Each engine lives in a virtual environment of its own, the way a user runs it beside hstap (the engines pin their
+# own torch and transformers); the live-engine tests start them with `hstap serve --engine-python`.
+ENGINE_STAMPS := .venv-vllm/.installed .venv-sglang/.installed
+
+.PHONY: install engines demo test clean
 
 $(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,12 +26,27 @@ $(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 
 install: $(STAMP)
 
+.venv-vllm/.installed: engines/vllm.sh engines/vllm.txt
+	PY=$(PY) bash engines/vllm.sh .venv-vllm
+
+.venv-sglang/.installed: engines/sglang.sh $(wildcard engines/sglang*.txt engines/sglang-cpu/* engines/sglang-cpu/*/*)
+	PY=$(PY) bash engines/sglang.sh .venv-sglang
+
+engines: $(ENGINE_STAMPS)
+
+# What SGLang 0.5.23's server-argument resolution imports, beside .venv, for one test (see the file's header).
+SGLANG_RESOLVE := $(VENV)/sglang-resolve/.installed
+$(SGLANG_RESOLVE): requirements-sglang-resolve.txt $(STAMP)
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/sglang-resolve -r requirements-sglang-resolve.txt
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/hstap demo
 
-test: $(STAMP)
+test:
+	$(MAKE) -j3 $(SGLANG_RESOLVE) engines  # the three environments install side by side (mostly waiting on downloads)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests  # one worker per core; a file's tests stay
 	# together; files go out in the order tests/conftest.py gives them (slowest first), not by their number of tests
 
 clean:
-	rm -rf $(VENV) .hstap-cache
+	rm -rf $(VENV) .venv-vllm .venv-sglang .hstap-cache

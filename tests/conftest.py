@@ -27,14 +27,16 @@ import torch  # noqa: E402
 # last and left one worker running alone for the last minute. Any file missing here keeps its place after them.
 # Second comes a file that does not need the shared small store the first one builds, so no worker starts by
 # waiting on its lock.
-SLOWEST_FIRST = ["train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py", "runtime/test_spec.py",
+SLOWEST_FIRST = ["live/test_vllm_eagle.py", "live/test_vllm.py", "live/test_sglang.py", "live/test_vllm_extract.py",
+                 "train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py", "runtime/test_spec.py",
                  "serve/test_supervisor.py", "train/test_replay.py", "test_demo.py", "capture/test_run.py",
                  "train/test_ddp.py", "runtime/test_stream.py", "runtime/test_engine.py", "evaluate/test_run.py",
                  "train/test_online.py", "synth/test_run.py", "runtime/test_fused_drafter.py",
                  "train/test_learning.py", "train/test_store_source.py", "train/test_merge_kernel.py",
                  "capture/test_run_faults.py", "train/test_simulated_tau.py", "capture/test_sglang.py",
                  "train/test_init_grow.py", "serve/test_supervisor_faults.py", "data/test_loops.py",
-                 "drafter/test_shipped.py", "synth/test_magpie.py", "store/test_merge.py", "synth/test_prompts.py"]
+                 "drafter/test_shipped.py", "synth/test_magpie.py", "store/test_merge.py", "synth/test_prompts.py",
+                 "capture/test_sglang_fusion.py", "capture/test_sglang_versions.py", "capture/test_vllm_extract.py"]
 
 
 def _schedule_rank(item) -> int:
