@@ -109,6 +109,16 @@ VLLM: dict[str, Layout] = {
 }
 
 TABLES = {"sglang": SGLANG, "vllm": VLLM}
+
+# SGLang releases whose layer contracts were read in their own sources (tests/capture/test_sglang_versions.py derives
+# them again): SGLANG above is 0.5.23's and, row for row, 0.5.22's. 0.5.20 predates the layer-boundary rewrite:
+# every row's layer returns `(hidden, residual)` with the add deferred to the next input norm (0.5.20
+# models/llama.py:340-368), DeepSeek's `(hidden, residual, topk_indices)` (models/deepseek_v2.py:2424-2516), so
+# all are `pairs`. 0.5.21 is half-way (Llama, Mistral, Mixtral, Qwen2, GLM-4 still pairs, the rest rewritten). Any
+# other release keeps the row's module names (the same in all of these) and tells the contract apart per forward.
+SGLANG_DEFAULT_VERSION = "0.5.23"
+SGLANG_VERSIONS: dict[str, str | None] = {"0.5.20": "pairs", "0.5.22": None, "0.5.23": None}  # None: the table's
+
 GENERIC = Layout(text=("model", "language_model.model"), output="auto", known=False)
 
 
@@ -131,14 +141,35 @@ def architecture(config: dict) -> str:
     return MODEL_TYPES.get(str(config.get("model_type")), "unknown")
 
 
-def resolve_layout(config: dict, engine: str) -> Layout:
+def resolve_layout(config: dict, engine: str, version: str | None = None) -> Layout:
     """The engine's layout for this checkpoint's architecture; the generic rule (`known=False`) when the table has
-    no row for it, or for an engine without a table (`hf`, which finds the decoder itself)."""
+    no row for it, or for an engine without a table (`hf`, which finds the decoder itself). `version`: the SGLang
+    release that will serve it (None: SGLANG_DEFAULT_VERSION); its layer contract can differ from the table's."""
     arch = architecture(config)
     row = TABLES.get(engine, {}).get(arch)
     if row is None:
         return replace(GENERIC, architecture=arch)
+    if engine == "sglang":
+        row = sglang_row(row, version)
     return replace(row, architecture=arch)
+
+
+def sglang_row(row: Layout, version: str | None) -> Layout:
+    """A row of SGLANG (read in 0.5.23) as SGLang `version` builds the model: the same module names, that release's
+    layer contract (`auto`, told apart per forward, for a release not in SGLANG_VERSIONS)."""
+    if version is None:
+        return row
+    if version not in SGLANG_VERSIONS:
+        return replace(row, output="auto")
+    return replace(row, output=SGLANG_VERSIONS[version] or row.output)
+
+
+def version_note(engine: str, version: str | None) -> str | None:
+    """The line a command prints when the engine's release is not one the table was checked against."""
+    if engine != "sglang" or version is None or version in SGLANG_VERSIONS:
+        return None
+    return (f"hstap: SGLang {version} is not a release hstap/capture/arch.py was checked against "
+            f"({', '.join(SGLANG_VERSIONS)}): keeping the module names, telling the layer outputs apart per forward")
 
 
 def fallback_note(layout: Layout, engine: str) -> str | None:

@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from hstap.config import LOOPS_HELP, Device, Dtype, Loops, StoreDtype, TeacherSpec, option, parse_duration
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
+VllmRoute = Literal["extension", "extract"]
+VLLM_ROUTE_HELP = ("vLLM capture route: extension (hstap's worker extension hooks the layers; needs --enforce-eager) "
+                   "or extract (vLLM's extract_hidden_states method writes a file per request, capture-remote turns "
+                   "them into the store; keeps CUDA graphs)")
 DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
 
 
@@ -85,6 +89,7 @@ class RemoteCaptureConfig(BaseModel):
     timeout: float = option(600.0, "seconds for the whole run", gt=0)
     settle: float = option(30.0, "after the last answer, give up waiting for the store after this long without a "
                                  "new sample", gt=0)
+    vllm_route: VllmRoute = option("extension", VLLM_ROUTE_HELP)
 
 
 class EngineFlagsConfig(BaseModel):
@@ -106,9 +111,14 @@ class SglangFlagsConfig(EngineFlagsConfig):
     """Print SGLang's `--forward-hooks` JSON and the other launch flags a capture needs."""
 
     as_json: bool = option(False, "print only the --forward-hooks JSON", flag="--json")
+    sglang_version: str | None = option(None, "the SGLang release that will load the hooks: its decoder layers' "
+                                              "contract decides which modules are hooked (0.5.20, 0.5.22, 0.5.23 "
+                                              "checked; default 0.5.23)")
 
 
 class VllmFlagsConfig(EngineFlagsConfig):
     """Print vLLM's launch flags and the `POST /collective_rpc` body that starts the taps."""
 
     rpc: bool = option(False, "print only the POST /collective_rpc JSON body")
+    vllm_route: VllmRoute = option("extension", VLLM_ROUTE_HELP + "; extract also writes OUT/vllm-extract.json "
+                                                                  "for capture-remote")

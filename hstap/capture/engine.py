@@ -63,10 +63,14 @@ class EngineCaptureConfig(BaseModel):
     flush_s: float = Field(default=1.0, gt=0)
     # the served architecture's module names and layer-output contract in this engine (hstap.capture.arch)
     layout: Layout = Layout()
+    # the engine release the layout was resolved for (SGLang's layer contracts changed in 0.5.21-0.5.22); None: the
+    # default. The SGLang hook refuses to run in another release whose contract differs.
+    engine_version: str | None = None
 
     @classmethod
     def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, dtype: str = "bf16",
-                       shard_mb: float = 64, flush_s: float = 1.0) -> "EngineCaptureConfig":
+                       shard_mb: float = 64, flush_s: float = 1.0,
+                       engine_version: str | None = None) -> "EngineCaptureConfig":
         """The config for a served checkpoint (`model`: 'smollm2' or a directory, which may hold config.json
         alone): layer ids validated against its config.json (nested `text_config` of wrapped models included),
         the engine's module layout for its `architectures`, the files fingerprinted like a store's."""
@@ -87,7 +91,8 @@ class EngineCaptureConfig(BaseModel):
             raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
         return cls(out=Path(out).resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
                    hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=fingerprint_dir(path),
-                   engine=engine, shard_mb=shard_mb, flush_s=flush_s, layout=resolve_layout(top, engine))
+                   engine=engine, shard_mb=shard_mb, flush_s=flush_s,
+                   layout=resolve_layout(top, engine, engine_version), engine_version=engine_version)
 
 
 @dataclass
@@ -237,6 +242,8 @@ class Matcher:
         self.emit(sample_id, tensors)
         self.done.add(sample_id)
         self.counts["captured"] += 1
+        if len(pieces) > 1:  # chunked prefill: this sample was computed over several forwards and stitched
+            self.counts["stitched"] += 1
 
 
 def is_residual_pair(output) -> bool:

@@ -18,6 +18,10 @@ client only decides what gets prefilled:
    stored none of them (taps that never fired: a module name the served model does not have) is an error, in
    one line, not an empty store.
 Re-running resumes: samples already in the store are neither announced nor sent again.
+
+`--vllm-route extract` (a vLLM server started by `hstap serve --vllm-route extract`): the engine writes one file per
+request instead of a store, and this client converts each answer's file into the store itself
+(hstap.capture.vllm_extract); nothing is announced.
 """
 
 from __future__ import annotations
@@ -122,8 +126,9 @@ class _Sender:
     """Sends prefills, retrying what the server did not take; once every attempt of some request failed to reach a
     server that has answered nothing yet, the URL is dead and the requests still to go are not tried."""
 
-    def __init__(self, client, url: str, model: str | None, retries: int) -> None:
+    def __init__(self, client, url: str, model: str | None, retries: int, on_answer=None) -> None:
         self.client, self.url, self.model, self.retries = client, url, model, retries
+        self.on_answer = on_answer  # (sample, 200 response) -> None or why it failed: vLLM's extract route
         self.not_taken = _not_taken()
         self.answered = threading.Event()
         self.dead = threading.Event()
@@ -149,37 +154,57 @@ class _Sender:
             if r.status_code in RETRY_STATUS:
                 why = f"HTTP {r.status_code} {' '.join(r.text.split())[:200]}"
                 continue
-            return None if r.status_code == 200 else f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
+            if r.status_code != 200:
+                return f"{sample.id}: HTTP {r.status_code} {r.text[:200]}"
+            return self.on_answer(sample, r) if self.on_answer else None
         if not self.answered.is_set():
             self.dead.set()
         return f"{sample.id}: {why} (after {self.retries} attempts)"
 
 
 def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
-    """Announce, send and wait; see the module docstring."""
+    """Announce, send and wait; see the module docstring (`--vllm-route extract`: hstap.capture.vllm_extract)."""
     import httpx
 
+    from hstap.capture.vllm_extract import PLAN_NAME, ExtractCollector
     from hstap.data import SkipReport, render_all
     from hstap.models import load_tokenizer
 
     url, data, capture_dir, timeout = cfg.url, cfg.data, cfg.capture_dir, cfg.timeout
-    samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens, limit=cfg.limit,
-                         loops=cfg.loops)
-    if not samples:
-        raise HstapError(f"--data {data}: no usable conversations")
-    done = _stored_ids(capture_dir)
-    todo = [s for s in samples if s.id not in done]
-    announce(capture_dir, todo)
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=httpx.Timeout(min(timeout, 300.0), connect=10.0)) as client, \
-            ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-        sender = _Sender(client, url.rstrip("/"), cfg.served_model, cfg.retries)
-        failed = [e for e in pool.map(sender.send, todo) if e]
+    if cfg.vllm_route == "extension" and (capture_dir / PLAN_NAME).exists():
+        raise HstapError(f"--capture-dir {capture_dir} belongs to a vLLM server of the extract route "
+                         f"({PLAN_NAME}): pass --vllm-route extract")
+    extract = ExtractCollector.open(capture_dir, cfg.settle) if cfg.vllm_route == "extract" else None
+    try:
+        samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens,
+                             limit=cfg.limit, loops=cfg.loops)
+        if not samples:
+            raise HstapError(f"--data {data}: no usable conversations")
+        done = extract.writer.committed_ids if extract else _stored_ids(capture_dir)
+        todo = [s for s in samples if s.id not in done]
+        if extract is None:
+            announce(capture_dir, todo)
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=httpx.Timeout(min(timeout, 300.0), connect=10.0)) as client, \
+                ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            sender = _Sender(client, url.rstrip("/"), cfg.served_model, cfg.retries,
+                             on_answer=extract.on_answer if extract else None)
+            failed = [e for e in pool.map(sender.send, todo) if e]
+    finally:
+        if extract is not None:
+            extract.writer.close()  # commits what was converted, whatever happened
     if todo and not sender.answered.is_set():
         why = next(f for f in failed if "not sent" not in f).split(": ", 1)[1]
         raise HstapError(f"capture-remote: {url} did not answer any of {len(todo)} prefill requests ({why}); is the "
                          "server up on that URL? (`hstap serve` prints 'ready on URL')")
     want = {s.id for s in samples}
+    if extract is not None:  # this client wrote the store itself: nothing to wait for
+        if todo and not extract.counts["captured"]:
+            raise HstapError(f"capture-remote: {len(todo)} prefills answered, none stored in {capture_dir} "
+                             f"({dict(extract.counts)}; first: {failed[0] if failed else 'none'})")
+        stored = _stored_ids(capture_dir)
+        return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
+                            missing=sorted(want - stored), failed=failed, engine={"route": "extract", **extract.counts})
     stored, progress = _stored_ids(capture_dir), time.monotonic()
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
         time.sleep(0.2)

@@ -4,7 +4,7 @@
     python -m sglang.launch_server --model-path /ckpt \\
         --forward-hooks '[{"name": "hstap-layer-1", "target_modules": ["model.layers.1"],
                            "hook_factory": "hstap.capture.sglang:make_hook", "config": {...}}, ...]' \\
-        --disable-radix-cache --cuda-graph-backend-prefill disabled
+        --disable-radix-cache --cuda-graph-backend-prefill disabled --enforce-disable-flashinfer-allreduce-fusion
     hstap capture-remote --url http://127.0.0.1:30000 --data jsonl:synth.jsonl --capture-dir runs/sg
 
 SGLang (0.5.23, `model_executor/hook_manager.py`) calls `make_hook(config)` once per spec in every TP worker and
@@ -25,11 +25,18 @@ the layer-output contract come from the served architecture (`hstap.capture.arch
   V3.2 and Kimi, whose layers return `(hidden_states, topk_indices)` — the indices are never added to anything).
   The first place the completed residual exists without a collective is the next norm, called as
   `norm(hidden, residual)` → `(normed, hidden + residual)`; its `output[1]`, cloned, is layer k's residual stream.
-  (FlashInfer/aiter all-reduce fusion bypasses that module: `hstap serve` refuses it; a forward whose tensor
-  never came is counted, never stored.)
+  (FlashInfer/aiter all-reduce fusion bypasses that module: the flags turn FlashInfer's off, `hstap serve` refuses
+  the flags that turn either on and stops when SGLang's log says it enabled one; a forward whose tensor never came
+  is counted, never stored.)
 - `<text>.norm` — `output[0]` is the final normed hidden state: the teacher (`teacher.hidden`; the trainer applies
   the target's lm_head). SGLang's logits processor only computes logits for sampled positions, so top-k teachers
   cannot come from the engine.
+
+Releases differ (hstap.capture.arch.SGLANG_VERSIONS): 0.5.20's layers all return `(hidden, residual)` — the
+rewrite above came in 0.5.21-0.5.22 — so the same architecture gets other sites there. `hstap serve` asks the
+engine's Python which release it has; `hstap sglang-flags --sglang-version V` targets one. A hook made for one
+release that finds itself in another whose contract differs prints one `hstap capture: error:` line (which stops
+`hstap serve`) and stays off. The launch flags below are accepted by both releases' parsers.
 
 An architecture missing from the table gets both kinds of site and tells the contracts apart per forward (a pair
 of same-shape floating tensors is `(hidden, residual)`). A spec that matches nothing is only a warning in SGLang's
@@ -42,13 +49,17 @@ collective or raises: errors are counted into `DIR/engine-report.json`.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from hstap.capture.arch import SGLANG, SGLANG_DEFAULT_VERSION, sglang_row
 from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, is_residual_pair, session_for
 from hstap.capture.hooks import first_tensor, never_raise
 from hstap.errors import HstapError
@@ -57,8 +68,13 @@ FACTORY = "hstap.capture.sglang:make_hook"
 SPEC_PREFIX = "hstap-"  # every spec's name starts with it: `hstap serve` reads SGLang's log lines about them
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py: /health_generate's rid is HEALTH_CHECK_<hex>
 # What capture needs from SGLang 0.5.23: radix-cache hits skip the cached prefix's tokens (samples with holes);
-# prefill CUDA graphs replay without running Python hooks. (0.5.23 has no --disable-piecewise-cuda-graph.)
-CAPTURE_FLAGS = ["--disable-radix-cache", "--cuda-graph-backend-prefill", "disabled"]
+# prefill CUDA graphs replay without running Python hooks (0.5.23 has no --disable-piecewise-cuda-graph); the
+# FlashInfer all-reduce fusion, which 0.5.23 (and 0.5.20) turn on by themselves for Kimi-K2.5, DeepSeek-V3, Qwen3-MoE,
+# GLM-4-MoE, gpt-oss, ... at tp > 1 on sm90/sm100 (srt/arg_groups/overrides.py:955-1001), calls the next layer's
+# input norm as `plan.norm.forward_with_allreduce_fusion(...)` (layer_boundary/fusions/allreduce.py:109), so the
+# hook on that norm never runs. The enforce-disable pass runs right after the auto-enable (model_hook.py:747-748).
+CAPTURE_FLAGS = ["--disable-radix-cache", "--cuda-graph-backend-prefill", "disabled",
+                 "--enforce-disable-flashinfer-allreduce-fusion"]
 
 
 def hook_specs(cfg: EngineCaptureConfig) -> list[dict[str, Any]]:
@@ -118,10 +134,44 @@ def writer_rank() -> tuple[bool, int | None]:
     return attn_tp_rank == 0, (int(parallel.attn_dp_rank) if dp_size > 1 else None)
 
 
+@functools.lru_cache(maxsize=1)
+def running_sglang() -> str | None:
+    """The SGLang release this process runs (its distribution metadata; None outside an SGLang install)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_mismatch(cfg: EngineCaptureConfig, running: str | None) -> str:
+    """'' when the flags' layer contract is the one SGLang `running` builds, else the one-line reason: hooks made
+    for one release would add the wrong outputs in another (Llama's layers return `(hidden, residual)` in 0.5.20,
+    one tensor from 0.5.22 on; hstap.capture.arch.SGLANG_VERSIONS)."""
+    row = SGLANG.get(cfg.layout.architecture)
+    if running is None or running == cfg.engine_version or row is None or not cfg.layout.known:
+        return ""
+    expected = sglang_row(row, running).output
+    if expected == cfg.layout.output:
+        return ""
+    made_for = cfg.engine_version or f"{SGLANG_DEFAULT_VERSION} (the default)"
+    return (f"the --forward-hooks were made for SGLang {made_for}, whose {cfg.layout.architecture} layers are "
+            f"'{cfg.layout.output}', but this engine is SGLang {running} ('{expected}'): regenerate them with "
+            f"`hstap sglang-flags --sglang-version {running}` (hstap serve asks the engine itself); capture is off")
+
+
+_WARNED: set[str] = set()
+
+
 def make_hook(config: dict) -> Callable:
     """SGLang's hook factory: `config` is one spec's `config` as `hstap sglang-flags` printed it."""
     site = str(config.get("site", ""))
     cfg = EngineCaptureConfig.model_validate({k: v for k, v in config.items() if k != "site"})
+    problem = version_mismatch(cfg, running_sglang())
+    if problem:  # `hstap serve` stops the engine on this line; by hand, the log says why the store stays empty
+        if problem not in _WARNED:
+            _WARNED.add(problem)
+            print(f"hstap capture: error: {problem}", file=sys.stderr, flush=True)
+        return _noop
     writes, dp_group = writer_rank()
     if not writes:
         return _noop
@@ -174,7 +224,10 @@ class _ForwardState:
                 return
             if self.output == "auto" and is_residual_pair(output):
                 self.pairs = True
-            if self.pairs:  # a non-pair here is a wrong table row: the add fails and is counted
+            if self.pairs:
+                if not is_residual_pair(output):  # a wrong row or release: indexing one tensor would "work"
+                    raise TypeError(f"decoder layer {k} returned {_kind(output)}, not (hidden, residual): the flags' "
+                                    "layer contract is not this SGLang's (hstap sglang-flags --sglang-version)")
                 self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: inputs get overwritten
         return hook
 
@@ -223,6 +276,12 @@ class _ForwardState:
             return
         session.begin(spans, total=offset)
         session.record("input_ids", fb.input_ids)
+
+
+def _kind(output) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"one tensor {tuple(output.shape)}"
+    return type(output).__name__ + (f" of {len(output)}" if isinstance(output, (tuple, list)) else "")
 
 
 def _updated_residual(args: tuple, output) -> torch.Tensor:

@@ -15,14 +15,14 @@ def add_arguments(parser) -> None:
 def run(cfg: SglangFlagsConfig) -> int:
     import sys
 
-    from hstap.capture.arch import fallback_note
+    from hstap.capture.arch import fallback_note, version_note
     from hstap.capture.engine import EngineCaptureConfig
     from hstap.capture.sglang import format_flags, hook_specs, sglang_flags
 
     engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "sglang", cfg.dtype, cfg.shard_mb,
-                                                cfg.flush_s)
-    note = fallback_note(engine.layout, "sglang")
-    if note:
-        print(note, file=sys.stderr)
+                                                cfg.flush_s, engine_version=cfg.sglang_version)
+    for note in (fallback_note(engine.layout, "sglang"), version_note("sglang", cfg.sglang_version)):
+        if note:
+            print(note, file=sys.stderr)
     print(json.dumps(hook_specs(engine)) if cfg.as_json else format_flags(sglang_flags(engine)))
     return 0

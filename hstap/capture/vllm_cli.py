@@ -24,6 +24,17 @@ def run(cfg: VllmFlagsConfig) -> int:
 
     engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "vllm", cfg.dtype, cfg.shard_mb,
                                                 cfg.flush_s)
+    if cfg.vllm_route == "extract":
+        from hstap.capture.vllm_extract import plan_for, write_plan
+        from hstap.errors import HstapError
+
+        if cfg.rpc:
+            raise HstapError("--rpc: the extract route makes no collective_rpc call (it has no taps to install)")
+
+        plan = plan_for(engine, cfg.model)
+        print(f"# vLLM's extract_hidden_states route (plan for capture-remote: {write_plan(plan)}):\n"
+              f"{format_flags(plan.launch_flags())}")
+        return 0
     body = rpc_body(engine.model_dump_json())
     if cfg.rpc:
         print(body)

@@ -34,7 +34,9 @@ def run(cfg: ServeConfig) -> int:
         sup.start()
         result = sup.wait_ready(stop)
         if result is None:
-            failed = install_vllm_taps(sup) if cfg.engine == "vllm" and cfg.capture_dir is not None else ""
+            failed = ""
+            if cfg.engine == "vllm" and cfg.capture_dir is not None:
+                failed = install_vllm_taps(sup) if cfg.vllm_route == "extension" else write_extract_plan(sup)
             if failed:
                 result = sup.stop("capture_failed", failed)
             else:
@@ -64,4 +66,18 @@ def install_vllm_taps(sup) -> str:
     print(f"hstap serve: install_taps -> HTTP {r.status_code} {r.text[:300]}", flush=True)
     if r.status_code != 200:
         return f"vLLM refused install_taps (HTTP {r.status_code}): {' '.join(r.text.split())[:300]}"
+    return ""
+
+
+def write_extract_plan(sup) -> str:
+    """vLLM's extract route needs no call into the engine: write DIR/vllm-extract.json (the layers in both id
+    conventions, where vLLM's files go, the teacher's norm) for `capture-remote --vllm-route extract`."""
+    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.vllm_extract import plan_for, write_plan
+
+    cfg = EngineCaptureConfig.for_checkpoint(sup.cfg.model, sup.cfg.capture_layers or "auto", sup.cfg.capture_dir,
+                                             "vllm")
+    plan = plan_for(cfg, sup.cfg.model)
+    print(f"hstap serve: extract route: canonical layers {plan.layers} = vLLM aux ids {plan.vllm_ids} (the last for "
+          f"the teacher); vLLM writes {plan.storage}, plan in {write_plan(plan)}", flush=True)
     return ""

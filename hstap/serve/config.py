@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from hstap.capture.config import LAYERS_HELP
+from hstap.capture.config import LAYERS_HELP, VLLM_ROUTE_HELP, VllmRoute
 from hstap.config import Device, StoreDtype, option
 
 
@@ -29,10 +29,15 @@ class ServeConfig(BaseModel):
     ready_timeout: float = option(1800, "seconds until the engine must be ready", gt=0)
     stall_timeout: float = option(300, "seconds without log output before ready that count as a hang (half "
                                        "with a core spinning)", gt=0)
+    health_timeout: float | None = option(None, "once ready, seconds without an answer from the engine's health "
+                                                "endpoint that count as a hang (default: --stall-timeout)", gt=0)
     grace_s: float = option(10, "seconds between SIGTERM and SIGKILL", flag="--grace", ge=0)
     command: list[str] | None = option(None, "program to run instead of the engine's launcher (a wrapper, "
                                              "container or test double); it gets the same arguments",
                                        flag="--command", metavar="'PROGRAM ARGS'")
+    vllm_route: VllmRoute = option("extension", VLLM_ROUTE_HELP + "; extract needs --capture-dir")
+    engine_python: Path | None = option(None, "the Python of the engine's own virtual environment, where hstap is "
+                                              "installed too (default: this one)")
     drafter: Path | None = option(None, "hf engine: decode speculatively with this drafter run directory")
     draft: str | None = option(None, "hf engine: draft shape (chain:K, tree:D,TOPK,N, ngram:K, hybrid:K[,N]; default chain:3 "
                                      "with --drafter)")

@@ -57,14 +57,19 @@ def catches(pid: int, sig: int) -> bool:
 
 
 def _by_py_spy(spy: str, pid: int) -> tuple[str, str]:
-    """(stacks, '') or ('', why not)."""
-    try:
-        out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return "", f"py-spy failed: {exc}"
-    if out.returncode != 0:
-        return "", f"py-spy failed: {' '.join((out.stderr or out.stdout).split())[:200]}"
-    return out.stdout, ""
+    """(stacks, '') or ('', why not). py-spy pauses the process to read a consistent stack and fails on one that
+    is already stopped (SIGSTOP: "Failed to suspend process"); such a process cannot move, so it is read again
+    without pausing (`--nonblocking`)."""
+    why = ""
+    for extra in ([], ["--nonblocking"]):
+        try:
+            out = subprocess.run([spy, "dump", *extra, "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return "", f"py-spy failed: {exc}"
+        if out.returncode == 0:
+            return out.stdout, ""
+        why = why or f"py-spy failed: {' '.join((out.stderr or out.stdout).split())[:200]}"
+    return "", why
 
 
 def _by_faulthandler(pid: int, folder: Path | None) -> str:

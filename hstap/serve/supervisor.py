@@ -6,7 +6,8 @@
     sup.start(); sup.wait_ready(); ...; result = sup.stop()          # `hstap serve` adds sup.watch() until Ctrl-C
 
 With capture on, SGLang's log is also read for its hook registrations: a hook spec that matched no module, or more
-than one, stops the engine at once with a one-line error naming the spec (status `capture_failed`).
+than one, stops the engine at once with a one-line error naming the spec (status `capture_failed`); so does a
+FlashInfer all-reduce fusion SGLang says it enabled (its fused kernel bypasses the input norms the hooks read).
 
 A port that is already taken is refused before anything starts. The engine runs under a keeper
 (`hstap.serve.keeper`) in its own process group, tied to the supervisor by a lifeline pipe: however the supervisor
@@ -16,7 +17,8 @@ never backwards). Ready means: the engine's own ready line, `GET /health` = 200,
 process of the engine's own tree (another server answering on the port is an error, not readiness) and, for
 engines that name a first request (`hf`), an answer to it.
 Watchdog, until ready: no new log output for `stall_timeout` seconds — or half of that while some process of the
-group burns a full core (a busy loop: the seed story's scheduler spinning on futexes) — is a HANG: every process's
+group burns a full core (a busy loop: the seed story's scheduler spinning on futexes) — and, once ready, the health
+endpoint unanswered for `health_timeout` seconds (an idle server is silent; see `watch`) — is a HANG: every process's
 Python stacks go to `RUN_DIR/stacks/<pid>.txt` (`hstap.serve.stacks`: py-spy, else faulthandler), the group gets
 SIGTERM, then SIGKILL after `grace_s`, and the supervisor checks that no process of it survives. A crash reports
 the exit code and the last log lines.
@@ -48,8 +50,21 @@ from hstap.serve.ports import check_port_free, describe, listeners
 NO_MATCH = re.compile(r"No modules matched hook spec '(hstap-[^']*)' patterns=(\[.*?\])")
 REGISTERED = re.compile(r"Registered forward hook '(hstap-[^']*)' on (\S+)")
 CAPTURE_ERROR = re.compile(r"hstap capture: error: (.*)")  # hstap's own taps (hf engine): hooks that never fired
+# SGLang logs these while resolving its arguments (0.5.23 srt/arg_groups/overrides.py:997-999 and 1010-1013; 0.5.20
+# overrides.py:1045-1047 and 1057-1060). The enforce-disable pass runs right after the auto-enable (0.5.23
+# model_hook.py:747-748; 0.5.20 model_hook.py:642-643), so an enable line not followed at once by the disable line
+# means the fused kernel replaces the input norms the capture hooks read.
+FUSION_ON = re.compile(r"Auto-enabling FlashInfer AllReduce Fusion\b.*? for (\S+)")
+FUSION_OFF = re.compile(r"FlashInfer allreduce fusion is forcibly disabled")
+# vLLM (0.32) warms up in "init engine (profile, create kv cache, warmup model)" (v1/engine/core.py): a compiled model
+# first logs "Warming up model for the compilation..." (CPU worker), an eager one (capture's --enforce-eager) has no
+# warm-up run and goes from "<device> KV cache size: N tokens" to allocating the cache and serving. Its "Enforce eager
+# set, disabling ... JIT kernel warmup", long before: a line that disables or skips a warm-up is not one. SGLang's
+# warm-up starts with its own `GET /model_info` (entrypoints/http_server.py: 0.5.20 :2228, 0.5.23 :2374), logged by
+# uvicorn, then sends its /generate; it logs no line of its own before it.
 PHASES = [("ready", None), ("first-request", None),
-          ("warmup", re.compile(r"warm[- ]?up|capture cuda graph|cuda graph", re.I)),
+          ("warmup", re.compile(r"^(?!.*(disabl|skipp)).*(warm(ing)?[- ]?up|cuda graph|KV cache size|"
+                                r"\"GET /model_info )", re.I)),
           ("loading", re.compile(r"load|weight|shard|init", re.I))]
 ORDER = ["starting", "loading", "warmup", "first-request", "ready"]  # a phase only moves forward
 
@@ -78,7 +93,7 @@ class Supervisor:
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
-        self.spec = engine_spec(cfg.engine)
+        self.spec = engine_spec(cfg.engine, cfg.vllm_route)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.phase = "starting"
         self.proc: subprocess.Popen | None = None
@@ -91,6 +106,7 @@ class Supervisor:
         self.log_path = cfg.run_dir / "engine.log"
         self.capture_error = ""  # set by the log reader: a capture hook that will never fire as intended
         self._hooked: dict[str, set[str]] = {}  # hook spec -> module names SGLang registered it on
+        self._fusion = ""  # the architecture SGLang auto-enabled an all-reduce fusion for, until it disables it
         self._lifeline = -1  # write end of the keeper's lifeline pipe: closed when this process ends
         self._started = 0.0
         self._probe: dict[str, str] = {}  # the first request's outcome: {"error": ""} when it was answered
@@ -107,11 +123,12 @@ class Supervisor:
             from hstap.capture.engine import EngineCaptureConfig  # torch: only when capturing
 
             capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir,
-                                                         cfg.engine)
+                                                         cfg.engine, engine_version=self._engine_version())
         elif cfg.capture_layers is not None:
             raise HstapError("--capture-layers needs --capture-dir (where the engine writes the store)")
         model = cfg.model if cfg.engine == "hf" else str(resolve_model_dir(cfg.model)[0])
-        argv, env = self.spec.command(model, cfg.host, cfg.port, capture, cfg.extra, program=cfg.command)
+        argv, env = self.spec.command(model, cfg.host, cfg.port, capture, cfg.extra, program=cfg.command,
+                                      python=str(cfg.engine_python) if cfg.engine_python else None)
         if cfg.drafter is not None or cfg.draft is not None:
             if cfg.engine != "hf":
                 raise HstapError(f"--drafter/--draft drive hstap's own hf engine; give {cfg.engine} its own "
@@ -119,6 +136,21 @@ class Supervisor:
             argv += (["--drafter", str(cfg.drafter)] if cfg.drafter else []) + (["--draft", cfg.draft]
                                                                                 if cfg.draft else [])
         return argv, env
+
+    def _engine_version(self) -> str | None:
+        """SGLang's release in the engine's environment (the decoder layers' contract, so the hooked modules, and
+        some flags differ between releases); None for other engines or where it cannot be read (a --command
+        container): then the hooks are made for the default release, and that is said."""
+        from hstap.capture.arch import SGLANG_DEFAULT_VERSION, version_note
+        from hstap.serve.engines import installed_version
+
+        if self.cfg.engine != "sglang":
+            return None
+        python = str(self.cfg.engine_python or sys.executable)
+        version = installed_version(python, "sglang")
+        self._say(version_note("sglang", version) or f"sglang {version} in {python}" if version else
+                  f"no sglang found for {python}: hooks made for SGLang {SGLANG_DEFAULT_VERSION}")
+        return version
 
     def start(self) -> None:
         """Refuse a taken port, then start the keeper (which starts the engine) and the log reader."""
@@ -180,13 +212,28 @@ class Supervisor:
             time.sleep(0.2)
 
     def watch(self, stop: threading.Event) -> ServeResult:
-        """While ready: wait for `stop` (Ctrl-C) or for the engine to exit on its own."""
+        """While ready: wait for `stop` (Ctrl-C) or for the engine to exit on its own. A ready server is silent
+        when idle, so its log cannot tell a hang here: the health endpoint is asked every tenth of
+        `health_timeout` (default `stall_timeout`; at most every 30 s), and `health_timeout` seconds without an
+        answer is a HANG (stacks, then the group is stopped) — an engine stopped mid-request (SIGSTOP, a
+        deadlocked API process) answers nothing. Start-up needs the longer limit (silent imports and loads), a
+        serving engine answers its health endpoint within seconds."""
+        limit = self.cfg.health_timeout or self.cfg.stall_timeout
+        every = min(30.0, max(1.0, limit / 10))
+        answered = next_probe = time.monotonic()
         while not stop.wait(0.5):
             self._track_children()
             if self.proc.poll() is not None:
                 return self._ended("crashed", f"the engine exited with code {self.proc.returncode} while serving")
             if self.capture_error:
                 return self.stop("capture_failed", self.capture_error)
+            if time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + every
+                if self._healthy(timeout=min(5.0, every)):
+                    answered = time.monotonic()
+                elif time.monotonic() - answered >= limit:
+                    return self._hang(f"GET {self.spec.health_path} unanswered for "
+                                      f"{time.monotonic() - answered:.0f} s while serving")
         return self.stop("stopped")
 
     def stop(self, status: str = "stopped", diagnosis: str = "") -> ServeResult:
@@ -199,7 +246,8 @@ class Supervisor:
 
     def _advance(self, phase: str) -> None:
         if ORDER.index(phase) > ORDER.index(self.phase):
-            self.phase = phase
+            before, self.phase = self.phase, phase
+            self._say(f"phase {before} -> {phase}")
 
     def _foreign_listener(self) -> str:
         """'' when a process of the engine's tree listens on the port (or nobody this user can see does), else the
@@ -234,12 +282,13 @@ class Supervisor:
                 line = raw.decode(errors="replace").rstrip()
                 self.last_lines.append(line)
                 self._last_output = time.monotonic()
+                self._check_hooks(line)  # before the ready line counts: a capture error wins over readiness
+                self._check_fusion(line)
                 if self.spec.ready_line in line:
                     self._ready_line.set()
-                self._check_hooks(line)
-                self._advance(next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase))
                 if self.cfg.echo and line:
                     print(f"  {self.cfg.engine}| {line[:240]}", flush=True)
+                self._advance(next((p for p, rx in PHASES if rx is not None and rx.search(line)), self.phase))
 
     def _check_hooks(self, line: str) -> None:
         """A capture hook spec SGLang matched to no module, or to several (it would fire twice per forward)."""
@@ -249,7 +298,8 @@ class Supervisor:
             self.capture_error = m.group(1)
         elif m := NO_MATCH.search(line):
             self.capture_error = (f"capture hook spec '{m.group(1)}' matched no module of the served model (patterns "
-                                  f"{m.group(2)}): its module names differ from hstap/capture/arch.py's row")
+                                  f"{m.group(2)}): its module names differ from hstap/capture/arch.py's row, or the "
+                                  "engine built fewer layers than config.json says (--json-model-override-args)")
         elif m := REGISTERED.search(line):
             names = self._hooked.setdefault(m.group(1), set())
             names.add(m.group(2))
@@ -257,11 +307,24 @@ class Supervisor:
                 self.capture_error = (f"capture hook spec '{m.group(1)}' matched {len(names)} modules "
                                       f"({', '.join(sorted(names))}): it must name exactly one")
 
-    def _healthy(self) -> bool:
+    def _check_fusion(self, line: str) -> None:
+        """With capture on: an all-reduce fusion SGLang enabled and did not disable on the very next line."""
+        if self.cfg.capture_dir is None or self.capture_error:
+            return
+        if FUSION_OFF.search(line):
+            self._fusion = ""
+        elif m := FUSION_ON.search(line):
+            self._fusion = m.group(1)
+        elif self._fusion and line.strip():
+            self.capture_error = (f"SGLang enabled its FlashInfer all-reduce fusion for {self._fusion}, which "
+                                  "bypasses the input norms the capture hooks read: launch it with "
+                                  "--enforce-disable-flashinfer-allreduce-fusion (hstap sglang-flags prints it)")
+
+    def _healthy(self, timeout: float = 5.0) -> bool:
         import httpx
 
         try:
-            return httpx.get(self.url + self.spec.health_path, timeout=5.0).status_code == 200
+            return httpx.get(self.url + self.spec.health_path, timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
 

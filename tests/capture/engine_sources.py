@@ -289,6 +289,10 @@ class EngineSource:
                 value = local[0]
         if isinstance(value, ast.Tuple) and len(value.elts) == 2 and isinstance(value.elts[1], ast.Name):
             return {"residual": "pairs", "topk_indices": "stream_topk"}.get(value.elts[1].id, "unknown")
+        elts = value.elts if isinstance(value, ast.Tuple) else []
+        names = [e.id if isinstance(e, ast.Name) else "" for e in elts]
+        if names[1:] == ["residual", "topk_indices"]:  # SGLang 0.5.20's DeepSeek layer: a pair, the indices beside
+            return "pairs"
         return "stream"
 
     def batch_positional(self, text: ClassRef) -> bool:

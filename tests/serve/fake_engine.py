@@ -11,6 +11,9 @@ MODE `nomatch` / `twomatch`: `healthy`, after logging what SGLang 0.5.23's hook_
 `--forward-hooks` specs it was given: every spec registered on its first pattern, except the last spec, which
 matched no module (`nomatch`), or the first spec, registered on a second module too (`twomatch`); each such
 line is logged once per TP rank, as SGLang's workers do. Then it answers POST /v1/completions with 200 too.
+MODE `fusion` / `fusion_off`: `healthy`, after the line SGLang 0.5.23 logs when it auto-enables the FlashInfer
+all-reduce fusion (srt/arg_groups/overrides.py:997-999) and then (`fusion_off` only) the line its enforce-disable
+pass logs right after it (overrides.py:1010-1013), as a launch with --enforce-disable-flashinfer-allreduce-fusion does.
 Every pid it starts is appended to $FAKE_PIDS (one per line) so the test can check that none survives.
 """
 
@@ -75,10 +78,18 @@ def main() -> None:
         time.sleep(300)  # bounded: a fake engine never outlives a test run by much
     if mode in ("nomatch", "twomatch"):
         log_hook_registration(json.loads(args.forward_hooks), mode)
+    if mode in ("fusion", "fusion_off"):
+        print("[2026-12-06 01:03:06] Auto-enabling FlashInfer AllReduce Fusion (auto) for "
+              "KimiK25ForConditionalGeneration", file=sys.stderr, flush=True)
+        if mode == "fusion_off":
+            print("[2026-12-06 01:03:06] FlashInfer allreduce fusion is forcibly disabled via "
+                  "--enforce-disable-flashinfer-allreduce-fusion.", file=sys.stderr, flush=True)
+        print("[2026-12-06 01:03:06] Attention backend not specified. Use triton backend by default.",
+              file=sys.stderr, flush=True)
     if mode == "silent":
         print("hstap capture: error: the capture hooks on model.layers.1 (hidden.1) never fired in 4 prefill "
               "requests, so nothing was captured", file=sys.stderr, flush=True)
-    if mode in ("healthy", "nomatch", "twomatch", "silent"):
+    if mode in ("healthy", "nomatch", "twomatch", "silent", "fusion", "fusion_off"):
         from http.server import BaseHTTPRequestHandler, HTTPServer
 
         class Health(BaseHTTPRequestHandler):

@@ -23,6 +23,14 @@ REFUSED = [
                  id="sglang-allreduce-fusion"),
     pytest.param("sglang", ["--flashinfer-allreduce-fusion-backend=auto"], "--flashinfer-allreduce-fusion-backend",
                  id="sglang-allreduce-fusion-backend"),
+    pytest.param("sglang", ["--enable-aiter-allreduce-fusion"], "--enable-aiter-allreduce-fusion",
+                 id="sglang-aiter-allreduce-fusion"),
+    pytest.param("sglang", ["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'], "--cuda-graph-config",
+                 id="sglang-cuda-graph-config"),
+    pytest.param("sglang", ["--config", "serve.yaml"], "--config", id="sglang-config-file"),
+    pytest.param("sglang", ["--enable-attn-tp-input-scattered"], "--enable-attn-tp-input-scattered",
+                 id="sglang-attn-tp-input-scattered"),
+    pytest.param("sglang", ["--enable-layernorm-sp"], "--enable-layernorm-sp", id="sglang-layernorm-sp"),
     pytest.param("sglang", ["--pp-size", "2"], "--pp-size", id="sglang-pp-size-2"),
     pytest.param("sglang", ["--pp-size=2"], "--pp-size", id="sglang-pp-size=2"),
     pytest.param("sglang", ["--pipeline-parallel-size", "4"], "--pipeline-parallel-size", id="sglang-pp-long-name"),
@@ -89,3 +97,16 @@ def test_the_error_says_what_capture_needs():
 def test_unknown_engine_lists_the_valid_ones():
     with pytest.raises(HstapError, match=re.escape("['hf', 'sglang', 'vllm']")):
         engine_spec("tgi")
+
+
+@pytest.mark.parametrize("engine, module", [("vllm", "vllm.entrypoints.openai.api_server"), ("sglang", "sglang.launch_server"),
+                                            ("hf", "hstap.serve.hf_capture")])
+def test_the_engine_runs_under_the_python_of_its_own_environment(engine, module, tmp_path):
+    """`--engine-python` puts the engine's own interpreter in front of its launcher (engines pin their own torch
+    and transformers, so they live in an environment beside hstap's); without it, hstap's own Python runs it."""
+    import sys
+
+    spec = engine_spec(engine)
+    argv, _ = spec.command("/ckpt", "127.0.0.1", 8000, None, [], python=str(tmp_path / "bin" / "python"))
+    assert argv[:3] == [str(tmp_path / "bin" / "python"), "-m", module]
+    assert spec.command("/ckpt", "127.0.0.1", 8000, None, [])[0][0] == sys.executable
