@@ -4,11 +4,10 @@ the enforce-disable flag turned off at once, or any fusion while not capturing, 
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 
-from tests.serve.test_supervisor import ROOT, _cleanup, _none_alive, _pids, _serve
+from tests.serve.test_supervisor import ROOT, _cleanup, _none_alive, _pids, _serve, serve_then_ctrl_c
 
 CAPTURE = ("--capture-layers", "1,14,26")
 
@@ -31,25 +30,8 @@ def test_an_enabled_fusion_stops_serve_in_one_line(tmp_path):
 
 
 def _serves_until_ctrl_c(tmp_path, mode: str, *extra: str) -> None:
-    cmd, env = _serve(tmp_path, mode, *extra)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines, deadline = [], time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C stops it" in line or not line:
-                break
-        assert any("ready on" in x for x in lines), "".join(lines)
-        assert any("Auto-enabling FlashInfer AllReduce Fusion" in x for x in lines), "".join(lines)  # it was seen
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, "".join(lines) + out
-        assert _none_alive(_pids(tmp_path))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _cleanup(_pids(tmp_path) if (tmp_path / "pids").exists() else [])
+    before_ready, _ = serve_then_ctrl_c(tmp_path, mode, *extra)
+    assert "Auto-enabling FlashInfer AllReduce Fusion" in before_ready  # it was seen, and serve went on
 
 
 def test_a_fusion_disabled_on_the_next_line_serves_on(tmp_path):

@@ -86,8 +86,10 @@ def test_crash_reports_exit_code_and_last_lines(tmp_path):
     assert _none_alive(_pids(tmp_path))
 
 
-def test_ctrl_c_stops_the_engine_group_cleanly(tmp_path):
-    cmd, env = _serve(tmp_path, "healthy")
+def serve_then_ctrl_c(tmp_path, mode: str, *extra: str) -> tuple[str, str]:
+    """`hstap serve` over the fake engine until it says ready, then Ctrl-C: (its output until ready, the rest).
+    Asserts it was ready, exited 0 and left no engine process."""
+    cmd, env = _serve(tmp_path, mode, *extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines, deadline = [], time.monotonic() + 90
@@ -100,12 +102,17 @@ def test_ctrl_c_stops_the_engine_group_cleanly(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(lines) + out
-        assert "stopping the engine (stopped)" in out
         assert _none_alive(_pids(tmp_path))
+        return "".join(lines), out
     finally:
         if proc.poll() is None:
             proc.kill()
         _cleanup(_pids(tmp_path) if (tmp_path / "pids").exists() else [])
+
+
+def test_ctrl_c_stops_the_engine_group_cleanly(tmp_path):
+    _, out = serve_then_ctrl_c(tmp_path, "healthy")
+    assert "stopping the engine (stopped)" in out
 
 
 @pytest.mark.parametrize("mode, needle", [
