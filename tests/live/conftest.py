@@ -37,6 +37,12 @@ def engine_python(engine: str) -> Path:
     return python
 
 
+def hstap(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """An hstap command in a subprocess of hstap's own environment (output captured)."""
+    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ import pytest
 from hstap.models.target import resolve_model_dir
 from hstap.store import open_store
 from hstap.store.compare import compare_stores
-from tests.live.conftest import ROOT, alive, engine_python, free_port, hstap_serve
+from tests.live.conftest import ROOT, alive, engine_python, free_port, hstap, hstap_serve
 
 pytestmark = pytest.mark.live_engine
 
@@ -37,11 +37,6 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampli
 CHUNK = 64  # --chunked-prefill-size: every conversation longer than this is prefilled over several forwards
 N, MAX_TOKENS = 8, 256
 START_STALL = "180"  # SGLang imports for ~20-40 s without a log line, busy: longer than that, at half
-
-
-def hstap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def serve_until_exit(run_dir: Path, *args: str, timeout: float = 400,

@@ -33,7 +33,7 @@ from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
 from hstap.cli import main
 from hstap.models.target import resolve_model_dir
 from hstap.store import open_store
-from tests.live.conftest import ROOT, Served, alive, engine_python, free_port, hstap_serve
+from tests.live.conftest import ROOT, Served, alive, engine_python, free_port, hstap, hstap_serve
 
 BUDGET = 128  # scheduler tokens per step: longer prompts are prefilled in chunks over several forwards
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET),
@@ -47,11 +47,6 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 STALL = 120
 HEALTH = 20  # once ready: /health unanswered this long is a hang (a serving vLLM answers it within a second)
 LIMIT, MAX_TOKENS = 8, 512  # ShareGPT conversations and their longest rendering (most are cut there)
-
-
-def hstap(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def engine_processes(serve_pid: int) -> list[psutil.Process]:

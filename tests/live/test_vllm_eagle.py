@@ -44,8 +44,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +51,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live.conftest import ROOT, hstap_serve
+from tests.live.conftest import hstap, hstap_serve
 
 PROMPTS, EVAL_PROMPTS, ONE_OFF_PROMPTS, MAX_TOKENS, CHAIN = 16, 8, 8, 128, 3
 CANONICAL = [1, 14, 26]  # the reference drafter's aux layers (its config.json)
@@ -86,11 +84,6 @@ class EagleRun:
     def mean_acceptance_length(self) -> float:
         """vLLM's own figure, 1 + accepted / drafts (its last cycle uncut)."""
         return 1 + sum(self.accepted) / sum(self.drafts)
-
-
-def hstap(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="module")
