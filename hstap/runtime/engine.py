@@ -6,6 +6,7 @@
     gens = engine.generate([Request(prompt=ids, max_new_tokens=128)])
     gens[0].tokens, gens[0].finish_reason                      # generated ids (stop token excluded), "stop" | "length"
     engine = Engine(target, drafter=d, draft="chain:3")        # speculative decoding; engine.spec_stats() for τ
+    engine.submit(request, on_tokens=send)                     # send(new_ids) as they are decoded; False stops it
     engine.close()
 
 Synth (`hstap.synth.embedded.EmbeddedBackend`) and the `hf` server (`hstap.serve.hf_server`) both use it. Targets
@@ -17,8 +18,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,11 +33,17 @@ from hstap.runtime.llama import unsupported
 from hstap.runtime.stream import Session
 from hstap.runtime.target import Runtime
 
+if TYPE_CHECKING:
+    from hstap.runtime.spec import SpecDecoder
+
 
 @dataclass
 class _Job:
     request: Request
     future: Future
+    on_tokens: Callable[[list[int]], bool] | None = None
+    sent: int = 0  # tokens already handed to on_tokens
+    ended: bool = False  # on_tokens returned False: nobody wants the rest
 
 
 class Engine:
@@ -66,10 +75,14 @@ class Engine:
         self.device = next(self.model.parameters()).device
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = stop_ids(self.model, self.tokenizer)
+        self._stops = set(self.stop_ids)
         self.max_len = max_len or int(getattr(self.model.config, "max_position_embeddings", 8192))
         self.stepper = self._make_stepper(cuda_graphs, compile_step, prefill)
         self.spec = self._make_spec(drafter, draft)
         self._spec_totals = {"verify_forwards": 0, "emitted": 0, "accepted": 0}
+        self._batching = {"active": 0, "max_rows": 0, "ended_early": 0}
+        self._session: Session | None = None  # the continuous session decoding now
+        self._listening: list[_Job] | None = None  # the speculative batch's jobs, row by row
         self.sync_every = 8 if self.device.type == "cuda" else 1
         self._seed = seed
         can_stream = self.spec is None and isinstance(self.stepper, Runtime)
@@ -99,7 +112,22 @@ class Engine:
             return None
         if not hasattr(self.stepper, "lean"):
             raise HstapError(f"speculative decoding runs on Llama-family targets only: {unsupported(self.model)}")
-        return SpecDecoder(self.stepper, DraftShape.parse(draft or "chain:3"), drafter)
+        spec = SpecDecoder(self.stepper, DraftShape.parse(draft or "chain:3"), drafter)
+        self._stream_verifications(spec)
+        return spec
+
+    def _stream_verifications(self, spec: SpecDecoder) -> None:
+        """Hand each verification's tokens to their listeners as the host reads them. A row whose listener is
+        gone, or that reached its own max_new_tokens (the batch decodes to its longest), is marked done, so the
+        batch no longer waits for it."""
+
+        def stream(results: list) -> None:
+            for job, row in zip(self._listening or (), results):
+                if not row.done and (not self._progress(job, row.tokens)
+                                     or len(row.tokens) >= job.request.max_new_tokens):
+                    row.done = True
+
+        spec.on_cycle = stream
 
     def spec_stats(self) -> dict:
         """Speculative decoding so far: verification forwards, tokens they produced (bonus included), draft
@@ -110,12 +138,32 @@ class Engine:
         totals["draft"] = self.spec.shape.spec if self.spec is not None else None
         return totals
 
-    def submit(self, request: Request) -> Future:
-        """Queue one request; the Future resolves to its Generation (or raises what decoding raised)."""
+    def submit(self, request: Request, on_tokens: Callable[[list[int]], bool] | None = None) -> Future:
+        """Queue one request; the Future resolves to its Generation (or raises what decoding raised).
+
+        `on_tokens(new_ids)`, called on the worker thread, gets the request's tokens as they are decoded, cut as
+        its Generation will be, always before the Future resolves: at every host read on continuous rows, at
+        every verification with a drafter, all at once when a static batch ends. Returning False (or raising)
+        says nobody wants the rest: a continuous row is freed at once, a speculative row marked done (its batch
+        no longer waits for it), and the Future resolves to the tokens so far."""
         self._check(request)
         future: Future = Future()
-        self._jobs.put(_Job(request, future))
+        self._jobs.put(_Job(request, future, on_tokens))
         return future
+
+    def batch_stats(self) -> dict:
+        """Requests the worker holds now (`active`: decoding or waiting for a row), the most decoded together so
+        far (`max_rows`), and how many ended early because their listener stopped them (`ended_early`)."""
+        stats = dict(self._batching)
+        session = self._session
+        if session is not None:
+            stats["max_rows"] = max(stats["max_rows"], session.peak)
+        return stats
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called: `submit` refuses new requests."""
+        return self._closed
 
     def _check(self, request: Request) -> None:
         if self._closed:
@@ -168,18 +216,56 @@ class Engine:
 
     def _serve(self) -> None:
         while (batch := self._take_batch()) is not None:
-            batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            batch = [j for j in batch if self._started(j)]
             if not batch:
                 continue
+            self._batching["max_rows"] = max(self._batching["max_rows"], len(batch))
             try:
-                gens = self._decode([j.request for j in batch])
+                gens = self._decode([j.request for j in batch], batch)
             except Exception as exc:  # a failed batch fails its requests, never the worker
                 for job in batch:
-                    job.future.set_exception(exc)
+                    self._fail(job, exc)
                 continue
             for job, gen in zip(batch, gens):
-                job.future.set_result(gen)
+                self._finish(job, gen)
         self._fail_queued()
+
+    def _started(self, job: _Job) -> bool:
+        """Take a queued job for decoding; False when it was cancelled while it waited."""
+        if not job.future.set_running_or_notify_cancel():
+            return False
+        self._batching["active"] += 1
+        return True
+
+    def _progress(self, job: _Job, tokens: list[int]) -> bool:
+        """Hand a row's new tokens (all it has so far, cut as its Generation will be) to the job's listener;
+        False once the listener wants no more."""
+        if job.on_tokens is None or job.ended:
+            return not job.ended
+        new = tokens[job.sent:job.request.max_new_tokens]
+        end = next((k for k, tok in enumerate(new) if tok in self._stops), len(new))  # the stop id is not sent
+        new = new[:end]
+        job.sent += len(new)
+        if not new:
+            return True
+        try:
+            keep = job.on_tokens(new)
+        except Exception:  # noqa: BLE001 -- a broken listener must not fail its batch's other rows: it counts as gone
+            keep = False
+        if not keep:
+            job.ended = True
+            self._batching["ended_early"] += 1
+        return keep
+
+    def _finish(self, job: _Job, gen: Generation) -> None:
+        """The last tokens to the listener, then the Future (a listener never sees tokens after the result)."""
+        self._progress(job, gen.tokens)
+        self._batching["active"] -= 1
+        job.future.set_result(gen)
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        self._batching["active"] -= 1
+        job.future.set_exception(exc)
 
     def _fail_queued(self) -> None:
         while True:  # closed: whatever is still queued will never run
@@ -200,7 +286,7 @@ class Engine:
             nonlocal accepting
             if job is None:  # close(): finish the rows in progress, fail what waits
                 accepting = False
-            elif job.future.set_running_or_notify_cancel():
+            elif self._started(job):
                 waiting.append((job, job.request))
 
         def poll() -> bool:
@@ -218,25 +304,28 @@ class Engine:
             seed = waiting[0][1].seed
             if seed is None:
                 seed, self._seed = self._seed, self._seed + 1
+            session = self._session = Session(self.stepper, self.pad_id, self.stop_ids, self.sync_every, seed)
             with self._decoding:
-                Session(self.stepper, self.pad_id, self.stop_ids, self.sync_every, seed).run(
-                    waiting, poll, lambda job, gen: job.future.set_result(gen),
-                    lambda job, exc: job.future.set_exception(exc))
+                session.run(waiting, poll, self._finish, self._fail, self._progress)
+            self._batching["max_rows"] = max(self._batching["max_rows"], session.peak)
+            self._session = None
             if not accepting:
                 for job, _ in waiting:
-                    job.future.set_exception(HstapError("engine closed before this request ran"))
+                    self._fail(job, HstapError("engine closed before this request ran"))
                 waiting.clear()
         self._fail_queued()
 
-    def _decode(self, requests: list[Request]) -> list[Generation]:
+    def _decode(self, requests: list[Request], jobs: list[_Job] | None = None) -> list[Generation]:
+        """One static batch; `jobs` (row by row, from the worker) get their tokens per verification."""
         with self._decoding:
-            return self._decode_unlocked(requests)
+            return self._decode_unlocked(requests, jobs)
 
-    def _decode_unlocked(self, requests: list[Request]) -> list[Generation]:
+    def _decode_unlocked(self, requests: list[Request], jobs: list[_Job] | None) -> list[Generation]:
         longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
         if longest > self.max_len and len(requests) > 1:  # each fits alone (submit checked): split the batch
             half = len(requests) // 2
-            return self._decode_unlocked(requests[:half]) + self._decode_unlocked(requests[half:])
+            return (self._decode_unlocked(requests[:half], jobs and jobs[:half])
+                    + self._decode_unlocked(requests[half:], jobs and jobs[half:]))
         seed = requests[0].seed
         if seed is None:
             seed, self._seed = self._seed, self._seed + 1
@@ -245,15 +334,20 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         with torch.inference_mode():
             if self.spec is not None:
-                return self._speculate(requests, generator)
+                return self._speculate(requests, generator, jobs)
             return decode(self.stepper, requests, self.pad_id, self.stop_ids, self.device, generator, self.sync_every)
 
-    def _speculate(self, requests: list[Request], generator: torch.Generator | None) -> list[Generation]:
+    def _speculate(self, requests: list[Request], generator: torch.Generator | None,
+                   jobs: list[_Job] | None = None) -> list[Generation]:
         """One batch through the speculative decoder, cut per row at its own max_new_tokens and first stop."""
         stops = set(self.stop_ids)
-        rows = self.spec.generate([r.prompt for r in requests], max(r.max_new_tokens for r in requests), stops,
-                                  self.pad_id, [r.temperature for r in requests], [r.top_p for r in requests],
-                                  generator)
+        self._listening = jobs
+        try:
+            rows = self.spec.generate([r.prompt for r in requests], max(r.max_new_tokens for r in requests), stops,
+                                      self.pad_id, [r.temperature for r in requests], [r.top_p for r in requests],
+                                      generator)
+        finally:
+            self._listening = None
         gens = []
         for req, row in zip(requests, rows):
             tokens = row.tokens[: req.max_new_tokens]

@@ -99,6 +99,9 @@ class SpecDecoder:
         self.depth, self.nodes = shape.depth, shape.nodes
         self.reserve = self.reservation(shape)
         self.clock: StageClock | None = None
+        # called with the rows after each verification's tokens reach the host (the hf server streams them); it
+        # may mark a row done, and the batch stops waiting for that row
+        self.on_cycle: Callable[[list[SpecRow]], None] | None = None
         # graphs and buffers are bound to one decoder: several decoders of a shape on one runtime get a number each
         self.tag = (shape.spec, runtime.decoders.get(shape.spec, 0))
         runtime.decoders[shape.spec] = self.tag[1] + 1
@@ -202,6 +205,8 @@ class SpecDecoder:
             row.accepted.append(count)
             row.emitted.append(kept)
             row.drafted.append(self.nodes)
+        if self.on_cycle is not None:
+            self.on_cycle(results)
 
     # ---- state --------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ runtime's one-token step (a CUDA graph replay on a GPU), unchanged: each row rea
 
     session = Session(runtime, pad_id, stop_ids, sync_every=8, seed=0)
     session.run(waiting, poll, deliver, fail)  # waiting: deque of (tag, Request); deliver(tag, Generation)
+    session.run(waiting, poll, deliver, fail, progress)  # progress(tag, tokens) -> False: free that row now
 
 Greedy rows get exactly the tokens a batch of their own would (tests: token for token against `decode` on the
 same runtime and against one-request batches, fp32). Sampled rows draw from one generator per session, so which
@@ -39,6 +40,7 @@ class Session:
         self.generator = torch.Generator(device=runtime.device).manual_seed(seed)
         self.rows = runtime.batch_size
         self.admit_min = max(1, self.rows // ADMIT_SHARE)
+        self.peak = 0  # the most rows busy at once so far (a server's proof that requests were batched)
 
     def need(self, request: Request) -> int:
         """Cache columns a request takes: prompt, answer, and the steps it may run past its end before the host
@@ -46,12 +48,16 @@ class Session:
         return len(request.prompt) + request.max_new_tokens + self.sync_every
 
     def run(self, waiting: deque[tuple[object, Request]], poll: Callable[[], bool],
-            deliver: Callable[[object, Generation], None], fail: Callable[[object, Exception], None]) -> None:
+            deliver: Callable[[object, Generation], None], fail: Callable[[object, Exception], None],
+            progress: Callable[[object, list[int]], bool] | None = None) -> None:
         """Decode requests from the head of `waiting` (FIFO) until no row is busy and the head does not fit this
         session's cache (or nothing waits). `poll()` moves newly arrived requests into `waiting` and returns False
         once no more may be admitted (closing). Each finished request goes to `deliver(tag, generation)`; if
         decoding raises, every request in the session goes to `fail(tag, exception)` and the session ends (the
-        requests still waiting stay in `waiting`)."""
+        requests still waiting stay in `waiting`). `progress(tag, tokens)` sees every unfinished row's tokens so
+        far after each host read (a server streams them); when it returns False (nobody listens any more) the row
+        is freed at once and delivered with the tokens it has."""
+        self.progress = progress
         self.busy: list[_Row | None] = [None] * self.rows
         self.taking: list[tuple[object, Request]] = []  # popped from `waiting`, not yet in a row
         try:
@@ -107,6 +113,7 @@ class Session:
         for row, (tag, request) in zip(rows, taken):
             self.busy[row] = _Row(tag, request, written=ids.shape[1])
         self.taking = []
+        self.peak = max(self.peak, sum(b is not None for b in self.busy))
 
     def _collect(self, chunk: list[list[int]], deliver: Callable[[object, Generation], None]) -> None:
         """Append each busy row's new tokens; deliver and free the rows that stopped or reached their limit."""
@@ -118,6 +125,8 @@ class Session:
             b.written += len(new)
             b.tokens.extend(new)
             gen = b.finished(self.stops)
+            if gen is None and self.progress is not None and not self.progress(b.tag, b.tokens):
+                gen = generation_of(b.tokens, b.request, self.stops)  # the listener is gone: free the row now
             if gen is not None:
                 self.busy[row] = None
                 freed.append(row)

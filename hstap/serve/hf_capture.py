@@ -5,7 +5,9 @@
 
 `hstap serve --engine hf` runs this. It adds two things to the app, and changes nothing in it:
 - `POST /v1/completions` with a token-id `prompt` (the OpenAI shape SGLang and vLLM also accept), which the
-  capture client uses to prefill a whole rendered conversation (`max_tokens: 1`);
+  capture client uses to prefill a whole rendered conversation (`max_tokens: 1`); it answers the decoded text and
+  its `token_ids`, refuses `stream` and `stop` (stream and stop through `/v1/chat/completions`), and errors in
+  OpenAI's shape like the chat route;
 - read-only hooks on the served model feeding the same `EngineSession` the SGLang and vLLM adapters use: a
   forward pre-hook reads the left-padded `[B, P]` prefill (decode steps are `[B, 1]` and pass untouched), the
   decoder layers' outputs are the canonical residual streams, `model.norm` gives the teacher. Identity,
@@ -25,44 +27,65 @@ import asyncio
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from hstap.errors import HstapError
 from hstap.faults import fault_point
+from hstap.serve.openai_api import ApiError, OpenAIParams, refuse_unsupported
 
 if TYPE_CHECKING:  # torch comes in with the model, after the "loading" line: start-up hangs are told apart
     from hstap.capture.engine import EngineCaptureConfig
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(OpenAIParams):
     """The subset of OpenAI's completions request used to prefill token ids."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
     prompt: list[int] = Field(min_length=1)
     max_tokens: int = Field(default=1, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, value: Any) -> Any:
+        if isinstance(value, str):  # pydantic reports a ValueError as the field's error (a TypeError escapes)
+            raise ValueError(  # noqa: TRY004
+                "expected a list of token ids: this route prefills token-id prompts for capture; send text as "
+                "messages to /v1/chat/completions")
+        return value
+
+
+def _refuse_text_features(req: CompletionRequest, model_name: str) -> None:
+    """What this capture route does not do, as OpenAI-shaped errors rather than silently ignored fields."""
+    if req.model is not None and req.model != model_name:
+        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", "model",
+                       "model_not_found")
+    refuse_unsupported(req)
+    for name in ("stream", "stop"):
+        if getattr(req, name):
+            raise ApiError(400, f"{name}: not supported on /v1/completions (token-id prefill for capture); use "
+                                "/v1/chat/completions", name, "unsupported_parameter")
+
 
 def add_completions(app, model_name: str) -> None:
     """Add `POST /v1/completions` (token-id prompts) to an `hf_server` app, using its batching engine."""
-    from hstap.serve.hf_server import _error
     from hstap.runtime.engine import Request
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         fault_point("hang-first-request")
-        if req.model is not None and req.model != model_name:
-            return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                          "model_not_found")
-        future = app.state.engine.submit(Request(prompt=list(req.prompt), max_new_tokens=req.max_tokens,
-                                                 temperature=req.temperature))
+        _refuse_text_features(req, model_name)
+        engine = app.state.engine
+        try:
+            future = engine.submit(Request(prompt=list(req.prompt), max_new_tokens=req.max_tokens,
+                                           temperature=req.temperature))
+        except HstapError as exc:
+            raise ApiError(503 if engine.closed else 400, str(exc), "prompt") from None
         gen = await asyncio.wrap_future(future)
+        text = engine.tokenizer.decode(gen.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": [{"index": 0, "text": "", "token_ids": gen.tokens,
+                "model": model_name, "choices": [{"index": 0, "text": text, "token_ids": gen.tokens,
                                                   "finish_reason": gen.finish_reason}],
                 "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
                           "total_tokens": gen.prompt_tokens + gen.completion_tokens}}

@@ -115,6 +115,22 @@ def test_speculative_engine_gives_the_plain_answers_and_counts_tau(target, promp
     assert stats["draft"] == "ngram:3" and stats["verify_forwards"] > 0 and stats["tau"] >= 1.0
 
 
+@pytest.mark.parametrize("draft", [None, "ngram:3"])  # continuous rows; speculative verifications
+def test_listeners_get_tokens_as_decoded_and_can_free_the_row(target, prompts, eager, draft):
+    engine = Engine(target, max_batch=4, draft=draft)
+    seen, kept = [], []
+    try:
+        gen = engine.submit(Request(prompts[0], NEW), on_tokens=lambda new: seen.append(new) or True).result(120)
+        cut = engine.submit(Request(prompts[0], NEW), on_tokens=lambda new: kept.append(new) or len(kept) < 2)
+        cut = cut.result(120)
+        stats = engine.batch_stats()
+    finally:
+        engine.close()
+    assert [t for new in seen for t in new] == gen.tokens == eager[0].tokens and len(seen) > 1  # in pieces
+    assert cut.tokens == [t for new in kept for t in new] and len(kept) == 2 and len(cut.tokens) < NEW  # stopped
+    assert stats == {"active": 0, "max_rows": 1, "ended_early": 1}
+
+
 def test_prompt_past_the_context_is_refused(target):
     engine = Engine(target, max_batch=2, max_len=64)
     try:

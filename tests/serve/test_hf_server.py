@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 import httpx
 import pytest
@@ -115,4 +116,28 @@ def test_bad_requests_are_openai_errors(client):
     resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                       "max_tokens": 10**6})
     assert resp.status_code == 400 and "max_new_tokens" in resp.json()["error"]["message"]
-    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
+    resp = client.post("/v1/chat/completions", json={"messages": []})  # FastAPI's 422, in OpenAI's shape
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error" and "at least 1" in resp.json()["error"]["message"]
+
+
+def test_failures_are_openai_errors_too(target, monkeypatch):
+    app = create_app(target, NAME, max_batch=1)
+    served = _Client(app)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    def broken(request, on_tokens=None) -> Future:
+        future: Future = Future()
+        future.set_exception(RuntimeError("the device fell over"))
+        return future
+
+    monkeypatch.setattr(app.state.engine, "submit", broken)
+    resp = served.post("/v1/chat/completions", json=body)
+    error = resp.json()["error"]
+    assert resp.status_code == 500 and error["type"] == "server_error" and "the device fell over" in error["message"]
+    events = served.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+    assert '"role": "assistant"' in events[0] and "the device fell over" in events[1], events  # as OpenAI's stream
+    monkeypatch.undo()
+    app.state.engine.close()
+    resp = served.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable", resp.text
