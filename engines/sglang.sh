@@ -6,22 +6,25 @@
 # (--no-deps: SGLang's workers import the capture hook factory). Then serve with
 #   SGLANG_USE_CPU_ENGINE=1 hstap serve --engine sglang --engine-python VENV/bin/python --model smollm2 ... -- \
 #       --device cpu --attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph
-#   bash engines/sglang.sh .venv-sglang        # ~1.5 min on 2 cores, 2.5 GB (torch and triton are most of it)
+#   UV=.venv/bin/uv bash engines/sglang.sh .venv-sglang   # ~15 s on 2 cores, 2.5 GB (torch and triton are most of it)
+# uv, not pip, as in engines/vllm.sh (UV_FIND_LINKS names pip's wheel folder, where the CPU torch lies).
 set -euo pipefail
 VENV=${1:-.venv-sglang}
 PY=${PY:-python3}
+UV=${UV:-uv}
+command -v "$UV" >/dev/null || { echo "engines/sglang.sh: needs uv (pip install uv, or run make engines)" >&2; exit 1; }
 HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$VENV"
 $PY -m venv "$VENV"
-"$VENV/bin/pip" install -q --no-deps -r "$HERE/sglang.txt"
+"$UV" pip install -q -p "$VENV/bin/python" --no-deps -r "$HERE/sglang.txt"
 # Built from a copy, so that the source tree gets no build/ or egg-info directory.
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp -r "$HERE/sglang-cpu" "$tmp/"
-"$VENV/bin/pip" install -q --no-deps --no-build-isolation "$tmp/sglang-cpu"
+"$UV" pip install -q -p "$VENV/bin/python" --no-deps "$tmp/sglang-cpu"
 # A .pth runs at every start of this venv's Python (a wheel cannot install one): torchvision then imports.
 cp "$HERE/sglang-cpu/hstap_sglang_cpu.pth" "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
-"$VENV/bin/pip" install -q --no-deps -e "$HERE/.."
+"$UV" pip install -q -p "$VENV/bin/python" --no-deps -e "$HERE/.."
 # What failed before the stand-ins (the torchvision import, an sgl_kernel name) and hstap's hook module; the live
 # tests start the engine itself.
 "$VENV/bin/python" -c "
