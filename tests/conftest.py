@@ -27,7 +27,7 @@ import torch  # noqa: E402
 # last and left one worker running alone for the last minute. Any file missing here keeps its place after them.
 # Second comes a file that does not need the shared small store the first one builds, so no worker starts by
 # waiting on its lock.
-SLOWEST_FIRST = ["live/test_vllm_eagle.py", "live/test_vllm.py", "live/test_sglang.py", "live/test_vllm_extract.py",
+SLOWEST_FIRST = ["live/test_vllm_eagle.py", "live/test_vllm.py", "live/test_sglang.py",
                  "train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py", "runtime/test_spec.py",
                  "serve/test_supervisor.py", "train/test_replay.py", "test_demo.py", "capture/test_run.py",
                  "train/test_ddp.py", "runtime/test_stream.py", "runtime/test_engine.py", "evaluate/test_run.py",
@@ -94,27 +94,38 @@ def shared_json(tmp_path_factory, name: str, build: Callable[[], object]) -> obj
 SMALL_STORE = dict(limit=48, max_tokens=96)  # the small store's capture: online runs re-render exactly these
 
 
+def shared_dir(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(DIR)` once per run, DIR shared by the xdist workers in their common temp root (a lock orders them, so
+    the second worker waits and reads it instead of computing it again); a marker written after `build` returns
+    says DIR is whole (a worker that failed half-way leaves it to be rebuilt)."""
+    import fcntl
+    import shutil
+
+    root = _shared_root(tmp_path_factory)
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def small_store(tmp_path_factory):
     """A real capture of 48 short ShareGPT conversations: enough for the tests that train a few steps (resume,
     DDP, online = offline, time budget, bad stores, learning), cheap enough to build in seconds. Built once per
-    run and shared by the xdist workers through their common temp root (a lock orders them): every test only
-    reads it, and each worker building its own cost ~25 s of a core."""
-    import fcntl
-    import shutil
-
+    run and shared by the xdist workers: every test only reads it, and each worker building its own cost ~25 s of
+    a core."""
     from hstap.capture.config import CaptureConfig
     from hstap.capture.run import run_capture
 
-    root = _shared_root(tmp_path_factory)
-    out = root / "small_store" / "store"
-    with open(root / "small_store.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (out / "manifest.json").exists():
-            shutil.rmtree(out.parent, ignore_errors=True)  # a worker that failed half-way left no manifest
-            result = run_capture(CaptureConfig(out=out, batch_tokens=4096, **SMALL_STORE), progress=False)
-            assert result.tap_report.errors == 0 and result.captured == SMALL_STORE["limit"]
-    return out
+    def build(out: Path) -> None:
+        result = run_capture(CaptureConfig(out=out / "store", batch_tokens=4096, **SMALL_STORE), progress=False)
+        assert result.tap_report.errors == 0 and result.captured == SMALL_STORE["limit"]
+
+    return shared_dir(tmp_path_factory, "small_store", build) / "store"
 
 
 @pytest.fixture

@@ -11,22 +11,25 @@ its fixture returns.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = {"vllm": ROOT / ".venv-vllm", "sglang": ROOT / ".venv-sglang"}
+CONVERSATIONS, MAX_TOKENS = 8, 256  # what each engine's capture takes from ShareGPT (most are cut at 256 tokens)
 
 
 def engine_python(engine: str) -> Path:
@@ -39,8 +42,8 @@ def engine_python(engine: str) -> Path:
 
 def hstap(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     """An hstap command in a subprocess of hstap's own environment (output captured)."""
-    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "hstap.cli", *args], check=False, cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def free_port() -> int:
@@ -132,3 +135,69 @@ def hstap_serve(engine: str, run_dir: Path, *args: str, env: dict[str, str] | No
             except psutil.Error:
                 pass
         assert not survivors, f"engine processes survived hstap serve: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def transformers_capture(tmp_path_factory) -> Path:
+    """`hstap capture` (transformers, fp32 on the CPU, teacher `hidden`) of the CONVERSATIONS first ShareGPT
+    conversations at MAX_TOKENS: the store each engine's capture is compared with, made once per run (the engines'
+    files run on different xdist workers)."""
+    from tests.conftest import shared_dir
+
+    def build(out: Path) -> None:
+        t0 = time.monotonic()
+        made = hstap("capture", "--data", "sharegpt", "--limit", str(CONVERSATIONS), "--max-tokens", str(MAX_TOKENS),
+                     "--teacher", "hidden", "--out", str(out))
+        assert made.returncode == 0, made.stdout + made.stderr
+        print(f"\nhstap capture (transformers): {time.monotonic() - t0:.1f} s")
+
+    return shared_dir(tmp_path_factory, "transformers-capture", build)
+
+
+def engine_processes(served: Served) -> list[psutil.Process]:
+    """The engine's processes: everything below the keeper (hstap serve's one child), the keeper excluded."""
+    return [p for keeper in psutil.Process(served.proc.pid).children() for p in keeper.children(recursive=True)]
+
+
+@dataclass
+class Hang:
+    stopped: list[psutil.Process]  # the engine processes SIGSTOPped
+    seconds: float  # from the SIGSTOP to hstap serve's exit
+    output: str  # hstap serve's whole output
+    client_errors: list[str]  # what the request in flight raised
+
+
+def hang_mid_request(served: Served, running: Callable[[], bool], health_timeout: int) -> Hang:
+    """Send a long generation, wait until `running()` says the engine works on it, then SIGSTOP every engine
+    process: `hstap serve` must find /health unanswered for `health_timeout` s, report a HANG during ready and exit 1
+    (its fixture then checks that no process is left). Ends the server: a module's last test."""
+    failed: list[str] = []
+
+    def generate() -> None:
+        try:
+            httpx.post(f"{served.url}/v1/completions", timeout=health_timeout + 120,
+                       json={"prompt": "Count to one thousand:", "max_tokens": 1500, "ignore_eos": True})
+        except httpx.HTTPError as exc:
+            failed.append(type(exc).__name__)
+
+    client = threading.Thread(target=generate, daemon=True)
+    client.start()
+    deadline = time.monotonic() + 120
+    while not running():
+        assert time.monotonic() < deadline and client.is_alive(), "the generation never showed as running"
+        time.sleep(0.2)
+    stopped = engine_processes(served)
+    for p in stopped:
+        p.send_signal(signal.SIGSTOP)
+    at = time.monotonic()
+    assert served.proc.wait(timeout=health_timeout + 90) == 1, served.output()[-3000:]
+    hang = Hang(stopped, time.monotonic() - at, "", failed)
+    client.join(timeout=30)
+    hang.output = served.output()
+    print(f"\nSIGSTOP of {len(stopped)} engine processes mid-request: serve exited {hang.seconds:.1f} s later")
+    assert re.search(r"hstap serve: HANG during ready: GET /health unanswered for \d+ s while serving",
+                     hang.output), hang.output[-3000:]
+    # the limit + a probe interval + the probe's timeout + the stacks + the grace period
+    assert hang.seconds <= health_timeout + 30, hang.output[-3000:]
+    assert failed, "the request in flight must have failed"
+    return hang

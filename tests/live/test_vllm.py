@@ -2,13 +2,15 @@
 synth --server`, and the supervisor, each against the real engine started by `hstap serve --engine vllm`.
 
 One server is shared by the module (`vllm`, ~40-90 s to start on 2 cores): capture → compare with transformers, synth
-with a kill and a resume, and last a SIGSTOP mid-request that ends it. (`kill -9` of `hstap serve` ends the EAGLE-3
+with a kill and a resume, and a SIGSTOP mid-request that ends it. (`kill -9` of `hstap serve` ends the EAGLE-3
 server of test_vllm_eagle.py. A SIGSTOP during vLLM's warm-up was reported as a HANG after --stall-timeout too,
-2026-12-06, docs/engines.md; it is not repeated here: it costs a whole --stall-timeout of waiting.)
+2026-12-06, docs/engines.md; it is not repeated here: it costs a whole --stall-timeout of waiting.) Last, a second
+server with the same flags captures the same conversations through vLLM's own extract_hidden_states route, compared
+with the first server's store.
 
-The shared server computes in fp32 (`--dtype float32`), as `hstap capture` does on a CPU: both stores hold bf16, so
-bf16's own rounding step is the tolerance and a wrong layer, a lost chunk or a decode row would show far above it.
-A scheduler budget of 64 tokens (`--max-num-batched-tokens`) makes vLLM chunk every prompt longer than that.
+The servers compute in fp32 (`--dtype float32`), as `hstap capture` does on a CPU: the stores hold bf16, so bf16's
+own rounding step is the tolerance and a wrong layer, a lost chunk or a decode row would show far above it. A
+scheduler budget of 64 tokens (`--max-num-batched-tokens`) makes vLLM chunk every prompt longer than that.
 """
 
 from __future__ import annotations
@@ -16,43 +18,37 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
-import psutil
 import pytest
 
+from hstap.capture.config import RemoteCaptureConfig
 from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
+from hstap.capture.remote import run_remote
+from hstap.capture.vllm_extract import STORAGE_NAME
 from hstap.cli import main
 from hstap.models.target import resolve_model_dir
 from hstap.store import open_store
-from tests.live.conftest import Served, engine_python, free_port, hstap, hstap_serve
+from hstap.store.compare import compare_stores
+from tests.live.conftest import (CONVERSATIONS, MAX_TOKENS, Served, engine_python, free_port, hang_mid_request, hstap,
+                                 hstap_serve)
 
 BUDGET = 64  # scheduler tokens per step: longer prompts are prefilled in chunks over several forwards
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET),
              "--max-num-seqs", "8"]
-# GiB of KV cache; unset, vLLM 0.32's CPU worker asks for --gpu-memory-utilization of the machine's whole memory
-# (v1/worker/cpu_worker.py), far too much on a 24 GB machine that other tests share
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# VLLM_CPU_KVCACHE_SPACE: GiB of KV cache; unset, vLLM 0.32's CPU worker asks for --gpu-memory-utilization of the
+# machine's whole memory (v1/worker/cpu_worker.py), far too much on a 24 GB machine that other tests share.
+# VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM's CPU build reserves one more core for the scheduler whenever a KV connector is
+# configured (utils/ompmultiprocessing.py:52-54, meant for NIXL): the extract route's server would then run its
+# worker's OpenMP threads otherwise than the extension route's (1.8-2.4x slower on 2 cores). Both keep one core.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 # Longest silence vLLM's start-up may keep without being a hang: its EngineCore and worker processes are spawned and
 # import vLLM silently, on a loaded 2-core machine for more than 30 s each (60 here made a false HANG during loading),
 # and a busy silent group gets half of this.
 STALL = 120
 HEALTH = 20  # once ready: /health unanswered this long is a hang (a serving vLLM answers it within a second)
-LIMIT, MAX_TOKENS = 8, 256  # ShareGPT conversations and their longest rendering (most are cut there)
-
-
-def engine_processes(serve_pid: int) -> list[psutil.Process]:
-    """The engine's processes: everything below the keeper (hstap serve's one child), the keeper excluded."""
-    return [p for keeper in psutil.Process(serve_pid).children() for p in keeper.children(recursive=True)]
-
-
-def stop_all(procs: list[psutil.Process]) -> list[int]:
-    for p in procs:
-        p.send_signal(signal.SIGSTOP)
-    return [p.pid for p in procs]
 
 
 def report(served: Served) -> dict:
@@ -120,11 +116,12 @@ def test_ready_comes_from_vllm_s_own_start(vllm):
 
 
 @pytest.mark.live_engine
-def test_capture_remote_matches_transformers_with_chunked_prefill_stitched(vllm, tmp_path):
+def test_capture_remote_matches_transformers_with_chunked_prefill_stitched(vllm, transformers_capture):
     """8 ShareGPT conversations prefilled through the tapped server equal `hstap capture` (transformers) at bf16's
     own tolerance: same ids, same tokens; chunked prefill stitched (samples longer than the 64-token budget were
     computed over several forwards); a 16-token generation in between stores nothing (its decode forwards are
-    skipped, its prefill matches no announced sample)."""
+    skipped, its prefill matches no announced sample). One request at a time, as the extract route's server gets
+    them at the end of this module (the same forwards on both)."""
     alive_or_fail(vllm)
     cap = vllm.run_dir.parent / "cap"
     r = httpx.post(f"{vllm.url}/v1/completions", timeout=300,
@@ -132,18 +129,14 @@ def test_capture_remote_matches_transformers_with_chunked_prefill_stitched(vllm,
                          "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
     t0 = time.monotonic()
-    remote = hstap("capture-remote", "--url", vllm.url, "--data", "sharegpt", "--limit", str(LIMIT), "--max-tokens",
-                   str(MAX_TOKENS), "--capture-dir", str(cap))
+    remote = hstap("capture-remote", "--url", vllm.url, "--data", "sharegpt", "--limit", str(CONVERSATIONS),
+                   "--max-tokens", str(MAX_TOKENS), "--capture-dir", str(cap), "--concurrency", "1")
     t1 = time.monotonic()
     assert remote.returncode == 0, remote.stdout + remote.stderr
-    local = hstap("capture", "--data", "sharegpt", "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS),
-                  "--teacher", "hidden", "--out", str(tmp_path / "hf"))
-    t2 = time.monotonic()
-    assert local.returncode == 0, local.stdout + local.stderr
     # --rtol/--min-cos at their floor: each tensor's tolerance is then its dtype's own (bf16: 2**-7, 1 - 2**-15)
-    cmp = hstap("compare", str(cap), str(tmp_path / "hf"), "--json", "--rtol", "1e-9", "--min-cos", "1")
+    cmp = hstap("compare", str(cap), str(transformers_capture), "--json", "--rtol", "1e-9", "--min-cos", "1")
     verdict = json.loads(cmp.stdout)
-    print(f"\ncapture-remote {t1 - t0:.1f} s, hstap capture {t2 - t1:.1f} s; "
+    print(f"\ncapture-remote {t1 - t0:.1f} s; "
           + ", ".join(f"{k} rel {v['max_rel']:.2e} cos {v['min_cos']:.6f}" for k, v in verdict["tensors"].items()))
     assert cmp.returncode == 0 and verdict["status"] == "match", verdict["verdict"]
     assert {v["rtol"] for v in verdict["tensors"].values()} == {2 ** -7}
@@ -151,16 +144,16 @@ def test_capture_remote_matches_transformers_with_chunked_prefill_stitched(vllm,
 
     announced = {(rec := json.loads(line))["id"]: len(rec["input_ids"]) for line in
                  (cap / REQUESTS_NAME).read_text().splitlines()}
-    engine, reference = open_store(cap), open_store(tmp_path / "hf")
-    assert sorted(engine.ids()) == sorted(reference.ids()) == sorted(announced) and len(announced) == LIMIT
+    engine, reference = open_store(cap), open_store(transformers_capture)
+    assert sorted(engine.ids()) == sorted(reference.ids()) == sorted(announced) and len(announced) == CONVERSATIONS
     lengths = {e.id: e.length for s in engine.manifest.shards for e in s.samples}
     assert lengths == {e.id: e.length for s in reference.manifest.shards for e in s.samples} == announced
     long = sum(n > BUDGET for n in announced.values())
     counters = report(vllm)
     print(f"engine counters: {json.dumps(counters, sort_keys=True)}; {long} samples longer than {BUDGET} tokens")
-    assert counters["captured"] == LIMIT and counters["errors"] == 0 and counters["dropped_samples"] == 0
+    assert counters["captured"] == CONVERSATIONS and counters["errors"] == 0 and counters["dropped_samples"] == 0
     assert long >= 1 and counters["stitched"] == long, counters  # every longer one came in several forwards
-    assert counters["forwards"] > LIMIT  # ... so more prefill forwards than samples
+    assert counters["forwards"] > CONVERSATIONS  # ... so more prefill forwards than samples
     assert counters["skipped"].get("decode", 0) >= 15 and counters.get("unmatched", 0) >= 1, counters
     assert "refused_prefix_cached" not in counters and counters["open_partials"] == 0, counters
 
@@ -201,37 +194,58 @@ def test_synth_checks_the_served_model_and_resumes_after_a_kill(vllm, tmp_path):
 
 @pytest.mark.live_engine
 def test_an_engine_stopped_mid_request_is_reported_as_a_hang_with_its_stacks(vllm):
-    """Runs last: it ends the module's server. While a long generation is running (vLLM's own gauge says so),
-    SIGSTOP every engine process: `hstap serve` finds /health unanswered for --health-timeout, reports a HANG
-    during ready with each process's Python stacks, and stops them all (the fixture then checks none is left)."""
+    """Ends the module's server (the extract route's test after it starts its own). While a long generation is
+    running (vLLM's own gauge says so), SIGSTOP every engine process: `hstap serve` finds /health unanswered for
+    --health-timeout, reports a HANG during ready with each process's Python stacks, and stops them all (the fixture
+    then checks none is left)."""
     alive_or_fail(vllm)
-    failed: list[str] = []
+    gauge = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 
-    def generate() -> None:
-        try:
-            httpx.post(f"{vllm.url}/v1/completions", timeout=HEALTH + 120,
-                       json={"prompt": "Count to one thousand:", "max_tokens": 1500, "ignore_eos": True})
-        except httpx.HTTPError as exc:
-            failed.append(type(exc).__name__)
+    def running() -> bool:
+        return any(float(v) >= 1 for v in gauge.findall(httpx.get(f"{vllm.url}/metrics", timeout=30).text))
 
-    client = threading.Thread(target=generate, daemon=True)
-    client.start()
-    running = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
-    deadline = time.monotonic() + 120
-    while not any(float(v) >= 1 for v in running.findall(httpx.get(f"{vllm.url}/metrics", timeout=30).text)):
-        assert time.monotonic() < deadline and client.is_alive(), "the generation never showed as running"
-        time.sleep(0.2)
-    stopped = stop_all(engine_processes(vllm.proc.pid))
-    at = time.monotonic()
-    assert vllm.proc.wait(timeout=HEALTH + 90) == 1, vllm.output()[-3000:]
-    ended = time.monotonic()
-    client.join(timeout=30)
-    out = vllm.output()
-    print(f"\nstopped {len(stopped)} engine processes mid-request; serve exited {ended - at:.1f} s later")
-    assert re.search(r"hstap serve: HANG during ready: GET /health unanswered for \d+ s while serving", out), \
-        out[-3000:]
-    assert ended - at <= HEALTH + 30, out[-3000:]  # limit + a probe interval + the probe's timeout + stacks + grace
-    assert failed, "the request in flight must have failed"
-    for pid in stopped:
-        text = (vllm.run_dir / "stacks" / f"{pid}.txt").read_text()
-        assert text.startswith(f"Process {pid}:") and "Thread " in text, text[:400]
+    hang = hang_mid_request(vllm, running, HEALTH)
+    for p in hang.stopped:
+        text = (vllm.run_dir / "stacks" / f"{p.pid}.txt").read_text()
+        assert text.startswith(f"Process {p.pid}:") and "Thread " in text, text[:400]
+
+
+@pytest.mark.live_engine
+def test_the_extract_route_stores_what_the_worker_extension_stored(vllm, tmp_path, capsys):
+    """vLLM's own capture route (`--vllm-route extract`: the extract_hidden_states speculative method, its aux
+    outputs written through a KV connector) on a second server with this module's flags, the same conversations one
+    at a time: the same forwards as the extension route's capture above (the same 64-token chunks), so
+
+    - the layers, taken by two different mechanisms (vLLM's aux outputs, hstap's forward hooks), are bit-identical:
+      an off-by-one in the id conversion (vLLM aux id = canonical k + 1) or rows from the wrong cache slots could
+      not pass;
+    - `teacher.hidden`, vLLM's own final norm on the extension route and hstap's recomputation from aux id L on
+      the extract route, agree to bf16's tolerance (`hstap compare`'s default).
+
+    Runs after the hang test ended the module's server: one engine at a time."""
+    assert vllm.proc.poll() is not None, "the module's first server must have ended (the hang test runs before)"
+    extension, extract = vllm.run_dir.parent / "cap", tmp_path / "extract"
+    # --enforce-eager on the extract route too: on 2 CPU cores vLLM's torch.compile warm-up alone takes minutes (the
+    # route itself needs no eager mode; hstap adds it on the extension route, whose hooks need it)
+    with hstap_serve("vllm", tmp_path / "run", "--model", "smollm2", "--vllm-route", "extract", "--capture-dir",
+                     str(extract), "--capture-layers", "auto", "--stall-timeout", str(STALL), "--", *VLLM_ARGS,
+                     "--enforce-eager", env=ENV) as served:
+        assert "vLLM aux ids [2, 15, 27, 30]" in served.output()
+        t0 = time.monotonic()
+        result = run_remote(RemoteCaptureConfig(url=served.url, data="sharegpt", limit=CONVERSATIONS,
+                                                max_tokens=MAX_TOKENS, capture_dir=extract, concurrency=1,
+                                                vllm_route="extract"))
+        took = time.monotonic() - t0
+    assert (result.sent, result.stored, result.missing, result.failed) == (CONVERSATIONS, CONVERSATIONS, [], [])
+    assert result.engine["captured"] == CONVERSATIONS
+    assert list((extract / STORAGE_NAME).iterdir()) == []  # every file vLLM wrote was consumed
+    with capsys.disabled():
+        print(f"\nextract route: {CONVERSATIONS} conversations one at a time in {took:.1f} s")
+    assert main(["compare", str(extract), str(extension)]) == 0, capsys.readouterr().out
+    stats = compare_stores(extract, extension).tensors
+    assert sorted(stats) == ["hidden.1", "hidden.14", "hidden.26", "teacher.hidden"]
+    for k in (1, 14, 26):
+        assert stats[f"hidden.{k}"].max_abs == 0, (k, stats[f"hidden.{k}"])
+    meta = open_store(extract).manifest.meta
+    assert meta.layer_ids == [1, 14, 26] and meta.extra["route"] == "extract"
+    assert meta.extra["vllm_aux_ids"] == [2, 15, 27, 30]
