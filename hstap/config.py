@@ -241,7 +241,11 @@ def _read_section(path: Path, section: str, sections: list[str]) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+        data = yaml.safe_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:  # a UTF-16 file (starts 0xff 0xfe), Latin-1, a binary file
+        raise HstapError(f"--config {path}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1}); save the "
+                         "file as UTF-8 YAML") from None
     except (OSError, yaml.YAMLError) as exc:
         raise HstapError(f"--config {path}: not a readable YAML file ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -280,11 +284,30 @@ def config_from_args(args: argparse.Namespace, sections: list[str] | None = None
         values.update(_read_section(args.config, section, sections or [section]))
     values.update({k: v for k, v in vars(args).items() if k in cls.model_fields})
     _apply_overrides(values, args.overrides, cls, section)
+    _check_scalar_types(values, cls, section)  # flags are text (parsed later); YAML and --set give typed values
     values.update(fields)
     try:
         return cls.model_validate(values)
     except ValidationError as exc:
         raise HstapError(describe_validation_error(exc, cls, section)) from None
+
+
+def _check_scalar_types(values: dict, cls: type[BaseModel], section: str) -> None:
+    """A YAML boolean for a number field (`limit: true`), or a number for a switch (`force: 1`), is refused naming
+    the dotted path: pydantic's lax mode would read `true` as 1. Text is left to the field's own parsing, so a flag's
+    `--limit 5` (always text) and `limit: "5"` still work."""
+    for name, value in values.items():
+        info = cls.model_fields.get(name)
+        if info is None or value is None:
+            continue
+        annotation, _ = _unwrap(info.annotation)
+        number = annotation in (int, float)
+        if (number and isinstance(value, bool)) or (annotation is bool and isinstance(value, (int, float))
+                                                     and not isinstance(value, bool)):
+            flag = f" ({flag_of(cls, name)})" if _cli_meta(info).get("cli", True) else ""
+            expected = "true or false" if annotation is bool else "an integer" if annotation is int else "a number"
+            got = f"the YAML boolean {str(value).lower()}" if isinstance(value, bool) else f"the YAML number {value}"
+            raise HstapError(f"{section}.{name}{flag}: expected {expected}, got {got}")
 
 
 def describe_validation_error(exc: ValidationError, cls: type[BaseModel], section: str) -> str:

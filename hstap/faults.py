@@ -19,7 +19,8 @@ Points: `shard-committed` (store writer, after the manifest names a new shard), 
 shard file in place, manifest not yet updated), `shard-write` (store writer, half of a shard's bytes in its `.tmp`),
 `manifest-write` (store writer, half of a manifest's bytes in its `.tmp`), `sample-buffered` (store writer, a
 sample copied into the buffer), `capture-checked` (capture: store locked, layers and disk checked, model not yet
-loaded), `model-loaded` (capture), `batch-forwarded` (capture, a batch's forward done and handed to the tap),
+loaded), `model-loaded` (capture), `batch-forwarded` (capture, a batch's forward done and handed to the tap), `batch-stored` (capture, the tap's
+writer thread: every sample of a batch in the store writer and the `--commit-every` commit made if it was due),
 `batch-followed` (capture, a tensor-parallel rank other than 0 done with a batch's forward),
 `record-write` (synth/prompts, before a whole output line is written), `record-written` (synth/prompts, after a
 whole output line), `model-load` (any command, target weights read, tokenizer not yet), `decode-step` (runtime

@@ -6,13 +6,17 @@ after hours of work, at the first write).
     check_out_dir(Path("runs/cap"))   # a directory this run can create or write into
     check_out_file(Path("s.jsonl"))   # a file this run can create or append to
 
-Every command that takes `--device` or `--out` calls these (capture, synth, train, export; `load_target` checks
-the device too), so the same bad flag reads the same everywhere.
+Every command that takes `--device` or an output path calls these (capture, synth, prompts, train, eval, export,
+store merge, serve's `--run-dir`; `load_target` checks the device too), so the same bad flag reads the same
+everywhere. Writable means: the nearest existing directory grants write access (access(2), which answers for root
+too on a read-only mount or an immutable directory) and is not on a kernel filesystem (/proc, /sys, cgroup…),
+where root passes access(2) and then cannot create a file at all.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from hstap.errors import HstapError
@@ -39,8 +43,38 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+# Kernel filesystems: they hold no regular files a process could create, yet access(2) says yes to root on them
+KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+                                "bpf", "pstore", "efivarfs", "fusectl", "binfmt_misc", "nsfs", "mqueue", "devpts",
+                                "autofs", "rpc_pipefs", "hugetlbfs"})
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem `path` (an existing path) lives on, from /proc/self/mountinfo (the longest mount
+    point above it, the last mounted winning); None where that cannot be read (not Linux)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, found = os.path.realpath(path), -1, None
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[4])  # mountinfo escapes ' ' as \040
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best:
+            best, found = len(point), rest.split()[0]
+    return found
+
+
 def _not_writable(directory: Path) -> str | None:
-    """Why files cannot be made in `directory`, or None. access(2) answers for root too on a read-only mount."""
+    """Why files cannot be made in `directory`, or None. access(2) answers for root too on a read-only mount; a
+    kernel filesystem is named by its type."""
+    kind = filesystem_type(directory)
+    if kind in KERNEL_FILESYSTEMS:
+        return f"{kind}, a kernel filesystem that holds no regular files"
     if os.access(directory, os.W_OK | os.X_OK):
         return None
     try:
@@ -75,6 +109,6 @@ def check_out_file(path: Path, flag: str = "--out") -> None:
         raise HstapError(f"{flag} {path}: is a directory, expected a file path")
     if not path.exists():
         _check_creatable(path, path.parent, flag, "file")
-    elif not os.access(path, os.W_OK):
+    elif not os.access(path, os.W_OK) or filesystem_type(path) in KERNEL_FILESYSTEMS:
         why = _not_writable(path.parent) or "permission denied"
         raise HstapError(f"{flag} {path}: cannot write to it ({why}): choose a writable file")

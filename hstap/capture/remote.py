@@ -5,6 +5,8 @@
 
 The engine process writes the store (its taps were configured at launch with the same `--capture-dir`); this
 client only decides what gets prefilled:
+0. probes the server (`GET /v1/models`, as `hstap synth --server` does): a server that accepts connections and
+   never answers ends the run within `--timeout` (30 s at most) in one line, instead of each request's timeout;
 1. renders every conversation exactly as `hstap capture` does (same tokens, same assistant-only loss mask);
 2. announces the samples not yet in the store by appending `{"id", "input_ids", "loss_mask"}` lines to
    `DIR/requests.jsonl`, fsynced *before* any request is sent: the engine identifies a prefill by its token ids
@@ -17,7 +19,8 @@ client only decides what gets prefilled:
    without a new sample — then prints the engine's counters. A server that answered every prefill while the engine
    stored none of them (taps that never fired: a module name the served model does not have) is an error, in
    one line, not an empty store.
-Re-running resumes: samples already in the store are neither announced nor sent again.
+Re-running resumes: samples already in the store are neither announced nor sent again. Records of `--data` that
+were not sent (malformed, too long) are counted and the first is named: `skipped N records (…; first: F:line: …)`.
 
 `--vllm-route extract` (a vLLM server started by `hstap serve --vllm-route extract`): the engine writes one file per
 request instead of a store, and this client converts each answer's file into the store itself
@@ -48,10 +51,13 @@ class RemoteResult:
     missing: list[str]
     failed: list[str]
     engine: dict
+    skipped: str = ""  # SkipReport.skipped_line(): records of --data that were not sent, counted, the first named
 
     def summary(self) -> str:
         lines = [f"capture-remote: sent {self.sent} samples ({self.already} already in the store); "
                  f"{self.stored} stored"]
+        if self.skipped:
+            lines.append(f"  {self.skipped}")
         if self.failed:
             lines.append(f"  {len(self.failed)} requests failed (first: {self.failed[0]})")
         if self.missing:
@@ -162,6 +168,20 @@ class _Sender:
         return f"{sample.id}: {why} (after {self.retries} attempts)"
 
 
+PROBE_S = 30.0  # the longest the first GET /v1/models may take (less with a shorter --timeout): it is answered at once
+
+
+def _probe(url: str, cfg: RemoteCaptureConfig) -> None:
+    """The server answers HTTP at `url` (`hstap synth --server`'s /v1/models check), before anything is rendered or
+    announced: a server that accepts connections and never answers ends the run within --timeout, in one line."""
+    from hstap.synth.server import probe_server
+
+    try:
+        probe_server(url, timeout=min(cfg.timeout, PROBE_S), retries=cfg.retries, backoff=BACKOFF_S)
+    except HstapError as exc:
+        raise HstapError(f"capture-remote: {exc} (`hstap serve` prints 'ready on URL')") from None
+
+
 def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
     """Announce, send and wait; see the module docstring (`--vllm-route extract`: hstap.capture.vllm_extract)."""
     import httpx
@@ -176,10 +196,12 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
                          f"({PLAN_NAME}): pass --vllm-route extract")
     extract = ExtractCollector.open(capture_dir, cfg.settle) if cfg.vllm_route == "extract" else None
     try:
-        samples = render_all(data, load_tokenizer(cfg.model), SkipReport(), max_tokens=cfg.max_tokens,
+        _probe(url, cfg)
+        skips = SkipReport()
+        samples = render_all(data, load_tokenizer(cfg.model), skips, max_tokens=cfg.max_tokens,
                              limit=cfg.limit, loops=cfg.loops)
         if not samples:
-            raise HstapError(f"--data {data}: no usable conversations")
+            raise HstapError(f"--data {data}: no usable conversations ({skips.summary()})")
         done = extract.writer.committed_ids if extract else _stored_ids(capture_dir)
         todo = [s for s in samples if s.id not in done]
         if extract is None:
@@ -204,7 +226,8 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
                              f"({dict(extract.counts)}; first: {failed[0] if failed else 'none'})")
         stored = _stored_ids(capture_dir)
         return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
-                            missing=sorted(want - stored), failed=failed, engine={"route": "extract", **extract.counts})
+                            missing=sorted(want - stored), failed=failed, engine={"route": "extract", **extract.counts},
+                            skipped=skips.skipped_line())
     stored, progress = _stored_ids(capture_dir), time.monotonic()
     while not want <= stored and time.monotonic() < deadline:  # the engine commits after a short idle
         time.sleep(0.2)
@@ -222,4 +245,4 @@ def run_remote(cfg: RemoteCaptureConfig) -> RemoteResult:
                          f"of them in {capture_dir} after {cfg.settle:.0f} s (engine counters: {counters}); check the "
                          "engine log for 'No modules matched' and that it was launched with this --capture-dir")
     return RemoteResult(sent=len(todo), already=len(samples) - len(todo), stored=len(want & stored),
-                        missing=sorted(want - stored), failed=failed, engine=engine)
+                        missing=sorted(want - stored), failed=failed, engine=engine, skipped=skips.skipped_line())

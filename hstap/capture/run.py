@@ -106,6 +106,7 @@ class TargetFiles:
     fingerprint: str
     num_layers: int
     hidden_size: int
+    vocab_size: int | None = None  # None where config.json does not say
 
 
 def target_files(model: str) -> TargetFiles:
@@ -115,7 +116,16 @@ def target_files(model: str) -> TargetFiles:
         num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     except KeyError as e:
         raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
-    return TargetFiles(model_id, fingerprint_dir(path), num_layers, hidden)
+    vocab = config.get("vocab_size")
+    return TargetFiles(model_id, fingerprint_dir(path), num_layers, hidden, int(vocab) if vocab else None)
+
+
+def check_teacher(teacher: TeacherSpec, files: TargetFiles, model: str) -> None:
+    """A top-k teacher's k fits the target's vocabulary: checked before anything is rendered, loaded or written
+    (`topk:100000` against SmolLM2's 49,152 tokens used to run, store nothing and pin k in an empty store)."""
+    if teacher.kind == "topk" and files.vocab_size is not None and teacher.k > files.vocab_size:
+        raise HstapError(f"--teacher {teacher}: k must be at most the vocabulary of --model {model} "
+                         f"({files.vocab_size:,} tokens); topk:32 is the usual choice")
 
 
 def capture_meta(target, layer_ids: list[int], cfg: CaptureConfig, teacher: TeacherSpec) -> StoreMeta:
@@ -135,13 +145,14 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
     check_out_dir(cfg.out)  # before rendering and the model load: a bad --out or --device fails in a second
     check_device(cfg.device)
     teacher = cfg.teacher
+    files = target_files(cfg.model)
+    check_teacher(teacher, files, cfg.model)
     report = SkipReport()
     samples = render_all(cfg.data, load_tokenizer(cfg.model), report, max_tokens=cfg.max_tokens,
                          overlong=cfg.overlong, limit=cfg.limit, loops=cfg.loops)
     if not samples:
         raise HstapError(f"--data {cfg.data}: no usable conversations ({report.summary()})")
     parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    files = target_files(cfg.model)
     layer_ids = parse_layers(cfg.layers, files.num_layers)
     if parallel and int(os.environ.get("RANK", "0")) != 0:
         with StopSignals() as stop:
@@ -175,7 +186,8 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> CaptureResult:
             start = time.perf_counter()
             tap_report = prefill_with_tap(target, todo, layer_ids, teacher, sink, dtype=cfg.dtype,
                                           batch_tokens=cfg.batch_tokens, device=cfg.device, progress=progress,
-                                          stop=lambda: stop.agree(failed=sink.error is not None))
+                                          stop=lambda: stop.agree(failed=sink.error is not None),
+                                          on_batch=sink.batch_done)
             seconds = time.perf_counter() - start
             if sink.error is not None:
                 writer.discard()  # its commit failed: those samples are captured again on resume
@@ -212,12 +224,15 @@ def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, rep
 
 def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec, sink,
                      dtype: str = "bf16", batch_tokens: int = 4096, device: str = "cpu",
-                     progress: bool = True, stop: Callable[[], bool] | None = None) -> TapReport:
+                     progress: bool = True, stop: Callable[[], bool] | None = None,
+                     on_batch: Callable[[], None] | None = None) -> TapReport:
     """Prefill every sample in padded batches of at most `batch_tokens` with the tap on, storing hidden states
     as `dtype`; the tap's writer thread feeds `sink(sample_id, tensors)`. Capture and online training share it.
-    `stop`: asked before each batch; True ends the loop there (the tap still drains what it holds)."""
+    `stop`: asked before each batch; True ends the loop there (the tap still drains what it holds). `on_batch`:
+    called on the tap's writer thread once a batch's samples all went to `sink` (capture's `--commit-every`)."""
     names = {f"hidden.{k}" for k in layer_ids} | {"teacher"}
-    tap = Tap(names, sink=sink, storage_dtype=torch_dtype(dtype), teacher=teacher, hidden_size=target.hidden_size)
+    tap = Tap(names, sink=sink, storage_dtype=torch_dtype(dtype), teacher=teacher, hidden_size=target.hidden_size,
+              on_batch=on_batch)
     bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
                disable=not progress)
     try:

@@ -26,6 +26,7 @@ import signal
 import threading
 
 from hstap.errors import Interrupted
+from hstap.faults import fault_point
 from hstap.store.writer import StoreWriteError, StoreWriter
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -109,3 +110,15 @@ class GuardedSink:
         except StoreWriteError as exc:
             self.error = exc
             raise
+
+    def batch_done(self) -> None:
+        """A whole batch is in the writer (the tap's writer thread calls it): commit now if `--commit-every` has
+        passed since the last commit, so a kill loses at most that much completed work — not one batch more."""
+        if self.error is not None:
+            return
+        try:
+            self.writer.commit_if_due()
+        except StoreWriteError as exc:
+            self.error = exc
+            raise
+        fault_point("batch-stored")

@@ -89,12 +89,16 @@ class Tap:
         teacher: how `record("teacher", ...)` is reduced (top-k of the logits, or the normed hidden as-is).
         max_inflight_bytes: host memory the tap may hold in flight; past it a batch is dropped (and counted)
             rather than blocking inside the engine's forward. Offline loops call `wait_capacity()` between forwards.
+        on_batch: called on the writer thread once every sample of a batch went to `sink` (capture commits there
+            when `--commit-every` is due, so a whole batch is kept at once).
     """
 
     def __init__(self, names: set[str], sink: Sink, storage_dtype: torch.dtype = torch.bfloat16,
-                 teacher: TeacherSpec | None = None, hidden_size: int = 0, max_inflight_bytes: int = 2 << 30):
+                 teacher: TeacherSpec | None = None, hidden_size: int = 0, max_inflight_bytes: int = 2 << 30,
+                 on_batch: Callable[[], None] | None = None):
         self.names = set(names)
         self.sink = sink
+        self.on_batch = on_batch
         self.storage_dtype = storage_dtype
         self.teacher = teacher or TeacherSpec()
         self._teacher_dtype = torch_dtype(teacher_hidden_dtype(dtype_name(storage_dtype)))
@@ -254,6 +258,8 @@ class Tap:
                 if pending.event is not None:
                     pending.event.synchronize()  # the writer waits, never the forward
                 self._split_and_sink(pending)
+                if self.on_batch is not None:
+                    self.on_batch()
                 self.report.batches += 1
             except Exception as exc:  # noqa: BLE001 — a failing sink must not kill the writer
                 self.report.errors += 1

@@ -281,6 +281,7 @@ class ExtractCollector:
             return f"{sample.id}: {exc}"
         with self._lock:
             self.writer.add(sample.id, tensors)
+            self.writer.commit_if_due()  # each answer is whole work: kept within commit_every_s of it
             self.counts["captured"] += 1
         remove_file(Path(path))
         return None

@@ -47,7 +47,7 @@ def _iter_records(path: Path, report: SkipReport | None) -> Iterator[Conversatio
                 reason = "duplicate_id"
             if reason is not None:
                 if report is not None:
-                    report.add(reason)
+                    report.add(reason, where=f"{path}:{lineno}")
                 continue
             seen.add(conv_id)
             yield Conversation(id=conv_id, messages=messages, source=str(path), meta=meta)

@@ -46,7 +46,7 @@ def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
     if overlong not in ("truncate", "skip"):
         raise HstapError(f"overlong must be 'truncate' or 'skip', got {overlong!r}")
     if _has_special_text(conv.messages, tokenizer):
-        return _drop(report, "special_token_text")
+        return _drop(report, "special_token_text", conv)
     text, spans = _assistant_spans(conv.messages, tokenizer)
     ids, mask = _tokenize_pieces(text, spans, tokenizer)
     if loops == "cut":
@@ -58,10 +58,10 @@ def render(conv: Conversation, tokenizer, max_tokens: int | None = None,
         raise HstapError(f"loops must be 'keep' or 'cut', got {loops!r}")
     if max_tokens is not None and len(ids) > max_tokens:
         if overlong == "skip":
-            return _drop(report, "too_long")
+            return _drop(report, "too_long", conv)
         ids, mask = ids[:max_tokens], mask[:max_tokens]
         if spans and not any(mask):
-            return _drop(report, "prompt_over_max_tokens")
+            return _drop(report, "prompt_over_max_tokens", conv)
         if report is not None:
             report.add("truncated")
     return RenderedSample(id=conv.id, input_ids=ids, loss_mask=mask)
@@ -77,9 +77,9 @@ def render_prompt(messages: list[dict[str, str]], tokenizer) -> list[int]:
     return _tokenize_pieces(text, spans, tokenizer)[0]
 
 
-def _drop(report: SkipReport | None, reason: str) -> None:
+def _drop(report: SkipReport | None, reason: str, conv: Conversation) -> None:
     if report is not None:
-        report.add(reason)
+        report.add(reason, where=f"{conv.source} record {conv.id!r}")
     return None
 
 

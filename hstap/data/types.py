@@ -35,9 +35,21 @@ class SkipReport:
 
     counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    first: str = ""  # the first dropped item, `where: reason` (e.g. `prompts.jsonl:3: empty_turn`), to go and look
 
-    def add(self, reason: str, n: int = 1) -> None:
+    def add(self, reason: str, n: int = 1, where: str = "") -> None:
         self.counts[reason] = self.counts.get(reason, 0) + n
+        if not self.first and reason not in KEPT_REASONS:
+            self.first = f"{where}: {reason}" if where else reason
+
+    def skipped_line(self, unit: str = "records") -> str:
+        """`skipped 2 records (empty_turn=1, too_long=1; first: F:3: empty_turn)`: the line a command that reads
+        records prints whenever it dropped any, so no drop goes unsaid; '' when none was dropped."""
+        if not self.total:
+            return ""
+        dropped = sorted(((k, v) for k, v in self.counts.items() if k not in KEPT_REASONS),
+                         key=lambda kv: (-kv[1], kv[0]))
+        return f"skipped {self.total} {unit} ({', '.join(f'{k}={v}' for k, v in dropped)}; first: {self.first})"
 
     @property
     def total(self) -> int:

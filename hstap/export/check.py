@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from hstap.drafter.config import DrafterConfig
+from hstap.drafter.integrity import load_weights
 from hstap.errors import HstapError
 from hstap.config import torch_dtype
 from hstap.export.formats import EMBEDDING, draft_config, draft_tensors, expected_shapes
@@ -41,12 +42,7 @@ def read_drafter(drafter_dir: Path | str) -> tuple[DrafterConfig, dict[str, torc
         raise HstapError(f"{run}: no such drafter directory (expected a run directory written by `hstap train`)")
     cfg = DrafterConfig.load(run / "config.json")
     weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise HstapError(f"{weights}: missing (a drafter directory holds config.json and model.safetensors)")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise HstapError(f"{weights}: not readable as safetensors ({exc})") from None
+    state = load_weights(run)  # checksum, header and finite numbers, as every drafter load (hstap.drafter.integrity)
     _check_state(cfg, state, weights)
     return cfg, state
 

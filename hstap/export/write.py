@@ -57,17 +57,32 @@ def _prepare_out(out: Path, drafter_dir: Path, force: bool) -> None:
     if out.resolve() == drafter_dir.resolve():
         raise HstapError(f"--out {out} is the drafter directory itself: choose another directory")
     check_out_dir(out)
+    found = _not_an_export(out)
+    if found:  # --force replaces an export, never the work of another command
+        raise HstapError(f"--out {out} holds {found}: --force only replaces an export; choose another directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HstapError(f"--out {out} exists and is not empty: choose another directory or pass --force")
     check_out_dir(out.parent, flag=f"--out {out}: its parent")  # the export is written beside it, then renamed
+
+
+def _not_an_export(out: Path) -> str:
+    """What in `out` says it is a capture store or a training run (which --force would delete), or ''."""
+    from hstap.store.manifest import MANIFEST_NAME, shard_files
+    from hstap.train.rundir import RUN_MARKS
+
+    if not out.is_dir():
+        return ""
+    store = ([MANIFEST_NAME] if (out / MANIFEST_NAME).exists() else []) + [p.name for p in shard_files(out)[:2]]
+    if store:
+        return f"a capture store ({', '.join(store)})"
+    run = [name for name in RUN_MARKS if (out / name).exists()]
+    return f"a training run ({', '.join(run)})" if run else ""
 
 
 def _write_atomic(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict,
                   drafter: tuple[DrafterConfig, dict[str, torch.Tensor]]) -> None:
     """Write into a sibling temp directory, check it reads back as `drafter`, then rename it into place (the old
     one moved aside first). A failure (a full disk, a failed check) leaves `out` as it was and no temp behind."""
-    from hstap.export.check import problems
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     old = None

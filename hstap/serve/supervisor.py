@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from hstap.errors import HstapError
+from hstap.preflight import check_out_dir
 from hstap.serve import stacks as stack_dumps
 from hstap.serve.config import ServeConfig
 from hstap.serve.engines import engine_spec
@@ -86,6 +88,18 @@ class ServeResult:
     @property
     def ok(self) -> bool:
         return self.status == "stopped" and not self.survivors
+
+
+def check_program(program: str, flag: str) -> None:
+    """`program` can be started (a path to an executable file, or a name on PATH): else one line now, instead of the
+    keeper's FileNotFoundError traceback after serve has started."""
+    if shutil.which(program) is not None:
+        return
+    if os.sep in program:
+        why = "no such file" if not os.path.exists(program) else "not an executable file"
+    else:
+        why = "not found on PATH"
+    raise HstapError(f"{flag} {program}: {why}: give the path of the program to run")
 
 
 class Supervisor:
@@ -153,8 +167,16 @@ class Supervisor:
         return version
 
     def start(self) -> None:
-        """Refuse a taken port, then start the keeper (which starts the engine) and the log reader."""
+        """Refuse a missing program, an unwritable --run-dir and a taken port, then start the keeper (which starts
+        the engine) and the log reader."""
         argv, env = self.command()
+        check_program(argv[0], "--command" if self.cfg.command else f"the {self.cfg.engine} engine's program")
+        check_out_dir(self.cfg.run_dir, flag="--run-dir")
+        if self.cfg.drafter is not None:  # a damaged drafter: one line here, not the engine's crash echoed twice
+            from hstap.drafter.integrity import check_drafter
+            from hstap.drafter.shipped import resolve_drafter
+
+            check_drafter(resolve_drafter(self.cfg.drafter, flag="--drafter"))
         check_port_free(self.cfg.host, self.cfg.port)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (self.cfg.run_dir / "command.txt").write_text(" ".join(argv) + "\n")

@@ -16,6 +16,15 @@ An fp8 store is read dequantised, so it compares against a bf16 capture of the s
 compared as stored (canonical in both), so a store captured with an off-by-one layer convention shows up as a
 large error on every layer, not as a silent pass.
 
+Two stores are comparable only when their meta agree on what was captured: the model (weights fingerprint), the
+layer ids, the hidden size and the teacher (`topk:K` or `hidden`). Otherwise the command says `DIFFERENT STORES:`
+and what differs, in one line, exit 2, before reading a sample (stores of other layers used to MATCH on the teacher
+alone; stores of other models ended in a tensor size error). The storage dtype may differ (an fp8 or fp32 capture
+against a bf16 one: each tensor's tolerance follows the coarser dtype), and so may `extra` (how a capture was made:
+an engine's route and its own layer ids, a capture's data source). MATCH also needs every tensor the two stores
+share to have been compared: hidden states, the teacher's values and, for a top-k teacher, its token ids (equal
+wherever the two stores' log-probs are not tied within the tensor's tolerance: `_topk_disagreement`).
+
     hstap compare runs/tp runs/one-gpu --reference runs/fp32     # two bf16 captures judged against an fp32 one
 
 With `--reference R` the verdict asks another question: is each store as close to the truth as the other? Two
@@ -68,6 +77,7 @@ class Comparison:
     within: float = 2.0
     vs_reference: dict[str, dict[str, TensorStat]] = field(default_factory=dict)  # "A"/"B" -> tensor -> stat
     not_in_reference: list[str] = field(default_factory=list)  # common to A and B, absent from R: not judged
+    uncompared: list[str] = field(default_factory=list)  # tensors both stores hold that no common sample compared
 
     def judged(self) -> dict[str, TensorStat]:
         """The statistics the verdict rests on, by label: A–B's own, or each store's against the reference."""
@@ -78,7 +88,7 @@ class Comparison:
     @property
     def common_match(self) -> bool:
         """Every sample both stores hold agrees (and there is at least one)."""
-        return (self.common > 0 and not self.token_mismatch
+        return (self.common > 0 and not self.token_mismatch and not self.uncompared
                 and all(s.max_rel <= s.rtol and s.min_cos >= s.cos_floor for s in self.judged().values()))
 
     @property
@@ -111,8 +121,13 @@ class Comparison:
             why.append(extra)
         if self.token_mismatch:
             why.append(f"{len(self.token_mismatch)} samples with different tokens (first {self.token_mismatch[0]!r})")
+        if self.uncompared and self.common > len(self.token_mismatch):
+            why.append(f"not compared: {', '.join(self.uncompared)}")
         for name, s in self.judged().items():
-            if s.max_rel > s.rtol or s.min_cos < s.cos_floor:
+            if name.startswith(TOPK_IDS) and s.max_rel > s.rtol:
+                why.append(f"{name}: {s.max_rel:.1%} of the top-k ids differ where the log-probs are not tied "
+                           f"(sample {s.worst_sample!r})")
+            elif s.max_rel > s.rtol or s.min_cos < s.cos_floor:
                 why.append(f"{name}: rel err {s.max_rel:.3g} (tolerance {s.rtol:.3g}), cosine {s.min_cos:.6f} "
                            f"(bound {s.cos_floor:.6g}) (sample {s.worst_sample!r})")
         return "verdict: MISMATCH — " + "; ".join(why)
@@ -132,6 +147,58 @@ def _flat(sample: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+TOPK_IDS, TOPK_VALUES = "teacher.topk_ids", "teacher.topk_logprobs"
+
+
+def _topk_disagreement(x: dict, y: dict, tol: float) -> dict[str, float]:
+    """How far two top-k teachers' token ids disagree beyond ties. An id one store holds for a token must be among
+    the other's ids for that token with about the same log-prob (within `tol` relative, at least `tol` absolute),
+    so ids of tied log-probs may come in either order; or it may be missing there when its log-prob is about at or
+    under the other's lowest kept one (a tie at the k-th place, which rounding may settle either way). Returns the
+    compare's usual numbers: `rel` = the fraction of ids (of both stores) that break this, `max_abs` = how many.
+
+    E.g. ids [7, 3] with log-probs [-0.5, -0.5] against [3, 7]: 0; ids [7, 3] at [-0.5, -2.0] against [8, 4]: 2 of 4
+    (7 and 8 disagree; 3 and 4, at the lowest kept log-prob in both, may be a tie with each store's next id)."""
+    ia, ib = x["teacher"]["topk_ids"], y["teacher"]["topk_ids"]  # (S, k) int32 each
+    la, lb = x["teacher"]["topk_logprobs"].double(), y["teacher"]["topk_logprobs"].double()  # (S, k)
+    same_id = ia[:, :, None] == ib[:, None, :]  # (S, k_a, k_b)
+    atol = tol * torch.maximum(la[:, :, None].abs(), lb[:, None, :].abs()).clamp_min(1.0)  # (S, k_a, k_b)
+    matched = same_id & ((la[:, :, None] - lb[:, None, :]).abs() <= atol)  # (S, k_a, k_b)
+    low_a, low_b = la.min(-1, keepdim=True).values, lb.min(-1, keepdim=True).values  # (S, 1): lowest kept
+    ok_a = matched.any(2) | (la <= low_b + tol * low_b.abs().clamp_min(1.0))  # (S, k_a)
+    ok_b = matched.any(1) | (lb <= low_a + tol * low_a.abs().clamp_min(1.0))  # (S, k_b)
+    wrong = int((~ok_a).sum() + (~ok_b).sum())
+    total = ok_a.numel() + ok_b.numel()
+    return {"max_abs": float(wrong), "rel": wrong / total if total else 0.0, "min_cos": 1.0}
+
+
+def check_comparable(stores: dict[str, object]) -> None:
+    """Raise `DIFFERENT STORES: …` (one line) when the stores' meta say they hold different things: another model,
+    other layers, another hidden size, another teacher. `stores`: label → open Store, the first the reference point.
+
+    An unknown fingerprint (`unknown` or empty: an engine capture configured without the checkpoint's files) is
+    not held against a store; the storage dtype and `extra` never are (see the module docstring)."""
+    (first_label, first), *others = stores.items()
+    a = first.manifest.meta
+    for label, store in others:
+        b = store.manifest.meta
+        differ = []
+        known = {"", "unknown"}
+        if a.model_fingerprint not in known and b.model_fingerprint not in known \
+                and a.model_fingerprint != b.model_fingerprint:
+            differ.append(f"model {a.model_id} (fingerprint {a.model_fingerprint[:12]}) vs {b.model_id} "
+                          f"(fingerprint {b.model_fingerprint[:12]})")
+        if a.layer_ids != b.layer_ids:
+            differ.append(f"layer ids {a.layer_ids} vs {b.layer_ids}")
+        if a.hidden_size != b.hidden_size:
+            differ.append(f"hidden size {a.hidden_size} vs {b.hidden_size}")
+        if a.teacher != b.teacher:
+            differ.append(f"teacher {a.teacher} vs {b.teacher}")
+        if differ:
+            raise HstapError(f"DIFFERENT STORES: {first_label} and {label} cannot be compared: {'; '.join(differ)} "
+                             "(capture both from the same model with the same --layers and --teacher)")
+
+
 def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: float = 0.999,
                    keep_per_sample: bool = False, reference: Path | str | None = None,
                    within: float = 2.0) -> Comparison:
@@ -143,6 +210,7 @@ def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: fl
     """
     sa, sb = open_store(a), open_store(b)
     sr = open_store(reference) if reference is not None else None
+    check_comparable({str(a): sa, str(b): sb, **({f"--reference {reference}": sr} if sr is not None else {})})
     ids_a, ids_b = sa.ids(), set(sb.ids())
     common = [i for i in ids_a if i in ids_b]
     names_a = {n for n in sa.manifest.tensors if n.startswith(("hidden.", "teacher."))}
@@ -176,6 +244,7 @@ def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: fl
                 result.per_sample.setdefault(sid, {}).update({prefix + k: v for k, v in per_sample.items()})
     if sr is not None:
         _bound_by_each_other(result.vs_reference, within)
+    result.uncompared = sorted((names_a & names_b) - set(result.tensors))
     return result
 
 
@@ -193,11 +262,20 @@ def _accumulate(stats: dict[str, TensorStat], x: dict, y: dict, sx, sy, sid: str
         dtype = _coarser(sx, sy, name)
         agg = stats.setdefault(name, TensorStat(rtol=max(rtol, rounding_step(dtype)),
                                                 cos_floor=min(min_cos, cosine_floor(dtype))))
-        if st["rel"] > agg.max_rel or st["min_cos"] < agg.min_cos or not agg.worst_sample:
-            agg.worst_sample = sid
-        agg.max_abs, agg.max_rel = max(agg.max_abs, st["max_abs"]), max(agg.max_rel, st["rel"])
-        agg.min_cos = min(agg.min_cos, st["min_cos"])
+        _fold(agg, st, sid)
+    if "topk_ids" in x["teacher"] and "topk_ids" in y["teacher"]:
+        tol = max(rtol, rounding_step(_coarser(sx, sy, TOPK_VALUES)))
+        st = out[TOPK_IDS] = _topk_disagreement(x, y, tol)
+        _fold(stats.setdefault(TOPK_IDS, TensorStat(rtol=0.0, cos_floor=0.0)), st, sid)  # no id may differ
     return out
+
+
+def _fold(agg: TensorStat, st: dict[str, float], sid: str) -> None:
+    """Fold one sample's numbers for one tensor into its worst case over the samples."""
+    if st["rel"] > agg.max_rel or st["min_cos"] < agg.min_cos or not agg.worst_sample:
+        agg.worst_sample = sid
+    agg.max_abs, agg.max_rel = max(agg.max_abs, st["max_abs"]), max(agg.max_rel, st["rel"])
+    agg.min_cos = min(agg.min_cos, st["min_cos"])
 
 
 def _bound_by_each_other(vs_reference: dict[str, dict[str, TensorStat]], within: float) -> None:

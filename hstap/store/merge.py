@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hstap.errors import HstapError
+from hstap.preflight import check_out_dir
 from hstap.store.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -158,6 +159,7 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     out = Path(out)
     if len(stores) < 2:
         raise HstapError(f"store merge: {len(stores)} input store given, expected two or more")
+    check_out_dir(out)  # a read-only or kernel-filesystem --out is named before any input is read
     inputs = [(Path(s), load_manifest(Path(s) / MANIFEST_NAME)) for s in stores]
     for path, _ in inputs:
         if out.exists() and path.exists() and path.resolve() == out.resolve():

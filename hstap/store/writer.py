@@ -12,10 +12,14 @@ writer deletes leftover `.tmp` files, adopts the one unlisted shard an interrupt
 the last listed one, whole since it was fsynced before the rename; deleted instead if its header does not fit this
 store), reports both in `cleaned`/`notes`, and refuses any other unlisted shard rather than delete it.
 
-A shard commits when `shard_bytes` are buffered, or when its oldest sample has waited `commit_every_s` (a kill
-loses at most that much work). On reopen every listed shard must be present with its recorded size, or the writer
+A shard commits when `shard_bytes` are buffered (checked at each `add`), and when the caller's `commit_if_due()`
+finds `commit_every_s` passed since the last commit (or the opening). Capture calls it once a whole batch is in
+(hstap.capture.stop.GuardedSink, from the tap's writer thread), so a batch completed after the interval is committed
+at once, whole, not a batch late: a kill loses at most `commit_every_s` of completed work (plus the batch in flight). On reopen every listed shard must be present with its recorded size, or the writer
 refuses, naming it (`repair=True`: full checksums, damaged shards renamed `*.damaged` and their samples
-captured again). A directory whose manifest is gone is rebuilt from the shard headers (hstap.store.repair).
+captured again). A directory whose manifest is gone is rebuilt from the shard headers (hstap.store.repair). A store
+that holds no shard at all (a run that failed before its first commit) takes the settings of the next run instead of
+refusing them: nothing was kept that they could contradict.
 A commit that fails (a full disk) removes its partial file and raises `StoreWriteError`; the buffer is kept.
 """
 
@@ -52,6 +56,7 @@ from hstap.store.manifest import (
     load_manifest,
     now_iso,
     save_manifest,
+    shard_files,
     shard_name,
     torch_dtype,
 )
@@ -107,7 +112,7 @@ class StoreWriter:
         self._rows = 0  # tokens buffered
         self._entries: list[SampleEntry] = []
         self._buffered_ids: set[str] = set()
-        self._oldest = 0.0  # clock() when the oldest buffered sample arrived
+        self._last_commit = clock()  # commit_if_due() measures from here: the opening, then each commit
 
     def _open_manifest(self) -> Manifest:
         file = self.path / MANIFEST_NAME
@@ -121,6 +126,15 @@ class StoreWriter:
             self._save(manifest, MANIFEST_NAME)
             return manifest
         manifest = load_manifest(file)
+        if manifest.meta != self.meta and not manifest.shards and not shard_files(self.path):
+            # nothing committed, no shard on disk: the settings of a run that failed before its first commit pin
+            # nothing (e.g. `--teacher topk:100000`); the corrected command writes its own
+            old = _meta_diffs(manifest.meta, self.meta)
+            manifest = Manifest(meta=self.meta, created=manifest.created, updated=now_iso())
+            self._save(manifest, MANIFEST_NAME)
+            if old:
+                self.notes.append(f"the store held no sample: its settings were replaced ({'; '.join(old)})")
+            return manifest
         _check_same_meta(self.path, manifest.meta, self.meta)
         return manifest
 
@@ -184,16 +198,23 @@ class StoreWriter:
         self._reserve(self._rows + length)
         for name, t in prepared.items():
             self._bufs[name][self._rows : self._rows + length].copy_(t)  # (S, *shape), from any device
-        if not self._entries:
-            self._oldest = self._clock()
         self._entries.append(SampleEntry(id=sample_id, offset=self._rows, length=length))
         self._buffered_ids.add(sample_id)
         self._rows += length
         fault_point("sample-buffered")
-        waited = self._clock() - self._oldest
-        if (self._rows * bytes_per_token(self.manifest.tensors) >= self.shard_bytes
-                or (self.commit_every_s is not None and waited >= self.commit_every_s)):
+        if self._rows * bytes_per_token(self.manifest.tensors) >= self.shard_bytes:
             self._commit()
+
+    def commit_if_due(self) -> bool:
+        """Commit what is buffered if `commit_every_s` has passed since the last commit (or the opening); call it
+        when a unit of work is whole (capture: a batch, all its samples added), so everything completed by then
+        is kept. Returns whether it committed."""
+        if self.commit_every_s is None or not self._entries:
+            return False
+        if self._clock() - self._last_commit < self.commit_every_s:
+            return False
+        self._commit()
+        return True
 
     def _reserve(self, rows: int) -> None:
         """Grow the buffers to hold `rows` tokens: first to about one shard, then by doubling."""
@@ -260,6 +281,7 @@ class StoreWriter:
         self._next_index += 1
         self.committed_ids |= self._buffered_ids
         self._entries, self._buffered_ids, self._rows = [], set(), 0
+        self._last_commit = self._clock()
         fault_point("shard-committed")
 
     def _save(self, manifest: Manifest, shard: str) -> None:
@@ -302,9 +324,14 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _check_same_meta(path: Path, stored: StoreMeta, asked: StoreMeta) -> None:
+def _meta_diffs(stored: StoreMeta, asked: StoreMeta) -> list[str]:
+    """`field=stored, this run asks asked` for every field but `extra` that differs."""
     old, new = stored.model_dump(exclude={"extra"}), asked.model_dump(exclude={"extra"})
-    diffs = [f"{k}={old[k]}, this run asks {new[k]}" for k in old if old[k] != new[k]]
+    return [f"{k}={old[k]}, this run asks {new[k]}" for k in old if old[k] != new[k]]
+
+
+def _check_same_meta(path: Path, stored: StoreMeta, asked: StoreMeta) -> None:
+    diffs = _meta_diffs(stored, asked)
     if diffs:
         raise HstapError(
             f"store {path} was captured with {'; '.join(diffs)}: use another --out or the same settings"

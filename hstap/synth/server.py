@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from types import TracebackType
 
 import httpx
@@ -33,6 +34,48 @@ def base_url(url: str) -> str:
     """`http://h:p/`, `http://h:p/v1` -> `http://h:p`."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
+
+
+def models_failed(url: str, exc: BaseException) -> HstapError:
+    """The one line for a `GET /v1/models` that got no answer: what `ServerBackend` and `probe_server` both say."""
+    return HstapError(f"server {url}: GET /v1/models failed ({type(exc).__name__}: {exc}); is it up?")
+
+
+def probe_server(url: str, timeout: float, retries: int = 1, backoff: float = 0.5) -> list[str]:
+    """`ServerBackend`'s check on entry (`GET /v1/models`), for a synchronous client (capture-remote), bounded by
+    `timeout` seconds in all: a server that accepts connections and never answers is named then, instead of after
+    every request's own read timeout. Connection errors (nothing listening yet, a reset) are tried `retries` times
+    with backoff; a read timeout is not (the server took the request and sat on it).
+
+    Returns the model ids listed, or [] when the server answers with anything else (a 404 from an engine without
+    the route: it is up, which is what a caller naming no model needs). Raises HstapError naming the URL."""
+    url = base_url(url)
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    for attempt in range(max(retries, 1)):
+        if attempt:
+            time.sleep(max(0.0, min(backoff * 2 ** (attempt - 1), deadline - time.monotonic())))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            resp = httpx.get(f"{url}/v1/models", timeout=httpx.Timeout(left, connect=min(left, 10.0)))
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:  # not taken: try again
+            last = exc
+            continue
+        except httpx.TimeoutException:
+            raise HstapError(f"server {url} accepted the connection but did not answer GET /v1/models within "
+                             f"{timeout:g} s: is it hung, or still loading? (raise --timeout to wait longer)") from None
+        except httpx.HTTPError as exc:
+            raise models_failed(url, exc) from None
+        try:
+            return [m["id"] for m in resp.json()["data"]] if resp.status_code == 200 else []
+        except (ValueError, KeyError, TypeError):
+            return []
+    if last is None:
+        raise HstapError(f"server {url}: no answer to GET /v1/models within {timeout:g} s")
+    raise HstapError(f"server {url}: GET /v1/models failed ({type(last).__name__}: {' '.join(str(last).split())}, "
+                     f"{attempt + 1} attempts); is it up?")
 
 
 class ServerBackend:
@@ -82,7 +125,7 @@ class ServerBackend:
             resp.raise_for_status()
             ids = [m["id"] for m in resp.json()["data"]]
         except httpx.HTTPError as exc:
-            raise HstapError(f"server {url}: GET /v1/models failed ({type(exc).__name__}: {exc}); is it up?") from None
+            raise models_failed(url, exc) from None
         except (ValueError, KeyError, TypeError):
             raise HstapError(f"server {url}: /v1/models is not an OpenAI model list") from None
         if not ids:

@@ -57,8 +57,9 @@ def test_answered_prefills_with_nothing_stored_is_a_one_line_error(tmp_path: Pat
 
 
 def test_a_dead_url_is_given_up_after_the_retries_in_one_line(tmp_path: Path, capsys):
-    """Nothing listens on the port (bound, never listening: connections are refused): each request is tried
-    --retries times, then the run ends with one line naming the URL — no wait for a store that cannot fill."""
+    """Nothing listens on the port (bound, never listening: connections are refused): the probe (GET /v1/models)
+    is tried --retries times, then the run ends with one line naming the URL — nothing announced, no wait for a store
+    that cannot fill."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{taken.getsockname()[1]}"
@@ -67,5 +68,6 @@ def test_a_dead_url_is_given_up_after_the_retries_in_one_line(tmp_path: Path, ca
                      "--capture-dir", str(tmp_path / "cap"), "--retries", "2", "--concurrency", "1"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"hstap: error: capture-remote: {url} did not answer any of 2 prefill requests "
-                          "(ConnectError: [Errno 111] Connection refused (after 2 attempts))"), err
+    assert err.startswith(f"hstap: error: capture-remote: server {url}: GET /v1/models failed (ConnectError: "
+                          "[Errno 111] Connection refused, 2 attempts); is it up?"), err
+    assert not (tmp_path / "cap" / "requests.jsonl").exists()

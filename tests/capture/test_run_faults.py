@@ -101,6 +101,22 @@ def test_sigterm_commits_the_buffer(tmp_path, args, expected, data, tokenizer):
     assert f"{len(first_two)} samples committed" in last
 
 
+def test_a_kill_once_the_first_commit_is_due_keeps_the_first_batch(tmp_path, args, data, tokenizer):
+    """Issue 43: `--commit-every 5s`, first batch done at ~8 s, `kill -9` at 17 s: 0 samples kept, because the
+    commit waited for the next batch's samples. Now the tap's writer thread commits as soon as a whole batch is in
+    and the interval is due. The run SIGKILLs itself right after its first batch was stored (HSTAP_FAULT
+    `batch-stored:1`, no timer; `--commit-every 1ms` is due by then: the model load alone takes longer): that
+    batch's samples are committed, whole."""
+    out = tmp_path / "store"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSTAP_FAULT": "batch-stored:1"}
+    proc = subprocess.run([sys.executable, "-m", "hstap.cli", *args(out, "--commit-every", "0.001")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    samples = render_all(data, tokenizer, SkipReport(), max_tokens=MAX_TOKENS)
+    first = [s.id for s in next(iter(make_batches(samples, BATCH_TOKENS)))]
+    assert open_store(out).ids() == first and verify_store(out) == []
+
+
 def test_commit_every_is_a_duration_flag(tmp_path, args, capsys):
     assert main(args(tmp_path / "s", "--commit-every", "2m", "--plan")) == 0
     assert "commit_every: 120.0" in capsys.readouterr().out

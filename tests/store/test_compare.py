@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hstap.cli import main
+from hstap.config import TeacherSpec
 from hstap.store import StoreWriter
 from hstap.store.compare import compare_stores
 from tests.store.conftest import LAYERS, make_sample, write_samples
@@ -26,8 +28,8 @@ def test_identical_stores_match(tmp_path, meta, capsys):
     write_samples(tmp_path / "a", meta, range(6))
     write_samples(tmp_path / "b", meta, range(6))
     c = compare_stores(tmp_path / "a", tmp_path / "b")
-    assert c.ok and c.common == 6
-    assert set(c.tensors) == {f"hidden.{k}" for k in LAYERS} | {"teacher.topk_logprobs"}
+    assert c.ok and c.common == 6 and not c.uncompared
+    assert set(c.tensors) == {f"hidden.{k}" for k in LAYERS} | {"teacher.topk_logprobs", "teacher.topk_ids"}
     assert all(s.max_abs == 0 and s.min_cos > 0.999999 for s in c.tensors.values())
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
@@ -166,3 +168,75 @@ def test_reference_lacking_samples_or_no_finer_is_said(tmp_path, meta, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"hstap: error: --reference {b}: computed in bf16, no finer than {a}'s bf16; capture the "
                    "reference with --target-dtype fp32")
+
+
+def _sample_of(i: int, layers: list[int], hidden: int) -> dict[str, torch.Tensor]:
+    """`make_sample(i)` with other layers or another hidden size (what a capture of other settings holds)."""
+    sample = {k: v for k, v in make_sample(i).items() if not k.startswith("hidden.")}
+    g = torch.Generator().manual_seed(i)
+    for k in layers:
+        sample[f"hidden.{k}"] = torch.randn(len(sample["input_ids"]), hidden, generator=g).to(torch.bfloat16)
+    return sample
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"layer_ids": [2, 10, 20]}, "layer ids [1, 14, 26] vs [2, 10, 20]"),
+    ({"hidden_size": 24}, "hidden size 16 vs 24"),
+    ({"model_fingerprint": "f00d", "model_id": "other/model"}, "model test/tiny (fingerprint abc123) vs "
+                                                               "other/model (fingerprint f00d)"),
+    ({"teacher": "topk:6"}, "teacher topk:4 vs topk:6"),
+])
+def test_stores_that_hold_different_things_are_different_stores_in_one_line(tmp_path, meta, capsys, change, says):
+    """Issue 43: other layers compared only the teacher and said MATCH; another model's hidden size ended in a
+    RuntimeError. Now the meta are checked first: one line naming what differs, exit 2, no sample read. What may
+    differ — the storage dtype, `extra` (an engine's route and its own layer ids) — still compares."""
+    write_samples(tmp_path / "a", meta, range(3))
+    other = meta.model_copy(update={k: (TeacherSpec.parse(v) if k == "teacher" else v) for k, v in change.items()})
+    k = other.teacher.k
+
+    def make(i):
+        sample = _sample_of(i, other.layer_ids, other.hidden_size)
+        sample["teacher.topk_ids"] = sample["teacher.topk_ids"][:, :1].repeat(1, k)
+        sample["teacher.topk_logprobs"] = sample["teacher.topk_logprobs"][:, :1].repeat(1, k)
+        return sample
+
+    _store(tmp_path / "b", other, range(3), make)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hstap: error: DIFFERENT STORES: {tmp_path / 'a'} and "
+                                                   f"{tmp_path / 'b'} cannot be compared: {says}"), err
+    assert "Traceback" not in err
+
+    engine = meta.model_copy(update={"extra": {"engine": "vllm", "route": "extract", "vllm_aux_ids": [2, 15, 27]}})
+    _store(tmp_path / "engine", engine, range(3), lambda i: {n: t.float() if n.startswith("hidden.") else t
+                                                             for n, t in make_sample(i).items()}, hidden_dtype="fp32")
+    assert compare_stores(tmp_path / "a", tmp_path / "engine").ok
+
+
+def test_top_k_ids_are_compared_and_only_ties_may_swap(tmp_path, meta):
+    """A top-k teacher's ids are a tensor both stores hold: ids shifted by one (a vocabulary offset) with equal
+    log-probs used to MATCH, since only the log-probs were compared. Two ids whose log-probs tie may come in either
+    order (rounding), any other difference is a MISMATCH naming teacher.topk_ids."""
+    def tied(i):
+        sample = make_sample(i)
+        sample["teacher.topk_logprobs"][:, 1] = sample["teacher.topk_logprobs"][:, 0]  # ranks 0 and 1 tie
+        return sample
+
+    def swapped(i):
+        sample = tied(i)
+        sample["teacher.topk_ids"][:, [0, 1]] = sample["teacher.topk_ids"][:, [1, 0]]
+        return sample
+
+    def shifted(i):
+        sample = tied(i)
+        sample["teacher.topk_ids"] = sample["teacher.topk_ids"] + 1
+        return sample
+
+    for name, make in (("a", tied), ("swapped", swapped), ("shifted", shifted)):
+        _store(tmp_path / name, meta, range(4), make)
+    assert compare_stores(tmp_path / "a", tmp_path / "swapped").ok
+    c = compare_stores(tmp_path / "a", tmp_path / "shifted")
+    assert c.status == "mismatch" and c.tensors["teacher.topk_ids"].max_rel > 0.5  # all but the lowest kept ids
+    assert "% of the top-k ids differ where the log-probs are not tied" in c.verdict()
+    assert "teacher.topk_ids" in c.verdict()
+    assert c.tensors["teacher.topk_logprobs"].max_abs == 0

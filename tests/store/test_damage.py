@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from hstap import faults
 from hstap.cli import main
+from hstap.config import TeacherSpec
 from hstap.errors import HstapError
 from hstap.store import StoreWriter, open_store, store_info, verify_store
 from hstap.store.writer import StoreWriteError
@@ -47,21 +48,52 @@ def _one_line_error(capsys) -> str:
 
 # ---- commits on a timer --------------------------------------------------------------------------------------------
 
-def test_buffer_commits_once_its_oldest_sample_waited_commit_every(tmp_path, meta):
+def test_commit_every_counts_from_the_last_commit_so_a_finished_batch_is_kept_at_once(tmp_path, meta):
+    """Issue 43: with --commit-every 5s the first batch finished at ~8 s and a kill at 17 s left nothing: the
+    interval was checked when a sample arrived, against the oldest buffered one, so commits came one batch late.
+    Now `commit_if_due` (capture calls it once a whole batch is in) measures from the last commit or the opening:
+    a batch finished after the interval is committed right then, all of it."""
     clock = {"now": 0.0}
-    w = StoreWriter(tmp_path, meta, shard_bytes=1 << 30, commit_every_s=60, clock=lambda: clock["now"])
+    w = StoreWriter(tmp_path, meta, shard_bytes=1 << 30, commit_every_s=5, clock=lambda: clock["now"])
+    clock["now"] = 8.0  # the first batch (two samples) is done
     w.add("a", make_sample(0))
-    clock["now"] = 59.0
     w.add("b", make_sample(1))
-    assert open_store(tmp_path).ids() == [], "nothing has waited 60 s yet"
-    clock["now"] = 60.0
+    assert open_store(tmp_path).ids() == [], "add commits on size only: never half a batch"
+    assert w.commit_if_due() and open_store(tmp_path).ids() == ["a", "b"]
+    clock["now"] = 12.0
     w.add("c", make_sample(2))
-    assert open_store(tmp_path).ids() == ["a", "b", "c"], "a waited 60 s: the buffer commits"
-    clock["now"] = 100.0
+    assert not w.commit_if_due() and len(open_store(tmp_path)) == 2, "4 s since the last commit"
+    clock["now"] = 13.0
     w.add("d", make_sample(3))
-    assert len(open_store(tmp_path)) == 3, "the clock restarts with the next buffered sample"
+    assert w.commit_if_due() and open_store(tmp_path).ids() == ["a", "b", "c", "d"]
+    clock["now"] = 30.0
+    assert not w.commit_if_due(), "nothing buffered, nothing to commit"
     w.close()
-    assert open_store(tmp_path).ids() == ["a", "b", "c", "d"]
+    assert len(open_store(tmp_path).manifest.shards) == 2
+
+
+def test_a_store_that_holds_no_sample_takes_the_next_runs_settings(tmp_path, meta):
+    """Issue 43: `capture --teacher topk:100000` failed before its first commit and its empty store pinned k, so the
+    corrected command was refused. A store with no shard (listed or on disk) now takes the next run's settings; once
+    it holds a sample, or a shard an interrupted first commit left, other settings are refused as before."""
+    wrong = meta.model_copy(update={"teacher": TeacherSpec.parse("topk:100000")})
+    StoreWriter(tmp_path / "s", wrong).close()  # what the failed run left: a manifest and nothing else
+    with StoreWriter(tmp_path / "s", meta) as w:
+        assert w.notes == ["the store held no sample: its settings were replaced (teacher={'kind': 'topk', 'k': "
+                           "100000}, this run asks {'kind': 'topk', 'k': 4})"]
+        w.add("a", make_sample(0))
+    assert open_store(tmp_path / "s").manifest.meta == meta
+    with pytest.raises(HstapError, match="was captured with teacher="):
+        StoreWriter(tmp_path / "s", wrong)
+
+    with StoreWriter(tmp_path / "t", meta) as w:  # a first commit killed between the shard's rename and the manifest
+        w.add("a", make_sample(0))
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    manifest.update(shards=[], totals={"samples": 0, "tokens": 0, "bytes": 0})
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HstapError, match="was captured with teacher="):
+        StoreWriter(tmp_path / "t", wrong)
+    assert (tmp_path / "t" / "shard-00000.safetensors").exists()
 
 
 # ---- a lost manifest -----------------------------------------------------------------------------------------------
