@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ beside this f
 from spec_decode import summary  # noqa: E402
 
 from hstap.drafter import DrafterConfig  # noqa: E402
+from hstap.drafter.integrity import checksum_record, load_weights, write_checksum  # noqa: E402
 from hstap.drafter.shipped import PACKED, SHIPPED  # noqa: E402
 from hstap.train.run import load_metrics  # noqa: E402
 
@@ -78,12 +79,15 @@ def main() -> None:
     provenance.update(sessions=sessions, mt_bench=mt_bench(args.spec_log),
                       total={"steps": sum(s["steps"] for s in sessions),
                              "tokens_trained": sum(s["tokens_trained"] or 0 for s in sessions)})
+    checked = checksum_record(args.drafter / "model.safetensors")
+    load_weights(args.drafter)  # its own checksum (when it has one), header and finite numbers: never ship a NaN
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(args.drafter / "config.json", dest / "config.json")
     with open(args.drafter / "model.safetensors", "rb") as f_in, \
             lzma.open(dest / f"{PACKED}.tmp", "wb", preset=9 | lzma.PRESET_EXTREME) as f_out:
         shutil.copyfileobj(f_in, f_out, 1 << 20)
     (dest / f"{PACKED}.tmp").replace(dest / PACKED)
+    write_checksum(dest, checked)  # the unpacked weights' checksum, which every load of the shipped drafter checks
     (dest / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(f"{dest}: {(dest / PACKED).stat().st_size / 1e6:.1f} MB, {len(sessions)} session(s), "
           f"{provenance['total']['tokens_trained']:,} tokens in all; MT-bench τ {provenance['mt_bench']['tau']}")

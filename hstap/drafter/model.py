@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 import torch.nn.functional as F
 from torch import nn
 
 import hstap.drafter.fused as fused
+import hstap.drafter.integrity as integrity
 from hstap.drafter.config import DrafterConfig
 from hstap.drafter.vocab import draft_to_target_ids, target_to_draft_ids
+from hstap.errors import HstapError
 
 # (q, k, v) of the current step → attention output; q (B, nh, S, hd), k/v (B, nkv, S, hd)
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -240,7 +242,10 @@ class Eagle3Drafter(nn.Module):
         """Everything but the frozen embedding (it is the target's, restored by `init_from_target`)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
-    def save_pretrained(self, out_dir: Path | str, include_embedding: bool = True) -> None:
+    def save_pretrained(self, out_dir: Path | str, include_embedding: bool = True, step: int | None = None) -> None:
+        """config.json, model.safetensors and its checksum.json (which every load verifies: a flipped byte is
+        refused, not drafted with). `step`: the training step these weights are, kept in the file's metadata (a
+        resumed run tells a finished run's drafter from an earlier one's by it)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.config.save(out / "config.json")
@@ -248,22 +253,37 @@ class Eagle3Drafter(nn.Module):
         tmp = out / "model.safetensors.tmp"  # renamed into place whole: a crash or a full disk leaves no torn file
         try:
             save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp),
-                      metadata={"format": "pt", "hstap": json.dumps({"aux_layer_ids": self.config.aux_layer_ids})})
+                      metadata={"format": "pt", "hstap": json.dumps({"aux_layer_ids": self.config.aux_layer_ids,
+                                                                     **({} if step is None else {"step": step})})})
+            record = integrity.checksum_record(tmp)
+            # the old checksum goes first: a crash before the new one is written leaves a drafter checked without
+            # one (hstap.drafter.integrity), never new weights against an old checksum
+            (out / integrity.CHECKSUM).unlink(missing_ok=True)
             os.replace(tmp, out / "model.safetensors")
+            integrity.write_checksum(out, record)
         finally:
             tmp.unlink(missing_ok=True)
 
     @classmethod
     def from_pretrained(cls, run_dir: Path | str, target_model: nn.Module | None = None) -> "Eagle3Drafter":
-        """Load weights saved by `save_pretrained`; without a saved embedding, `target_model` must supply it."""
+        """Load weights saved by `save_pretrained`, checked first (checksum, header, finite numbers:
+        `integrity.load_weights`); without a saved embedding, `target_model` must supply it.
+
+        Raises:
+            HstapError: a damaged or non-finite model.safetensors, or tensors that are not the ones config.json
+                describes, in one line naming the file.
+        """
         run_dir = Path(run_dir)
         model = cls(DrafterConfig.load(run_dir / "config.json"))
-        state = load_file(str(run_dir / "model.safetensors"))
+        state = integrity.load_weights(run_dir)
         if "embed_tokens.weight" not in state:
             if target_model is None:
-                from hstap.errors import HstapError
-
                 raise HstapError(f"{run_dir}/model.safetensors has no embedding: pass the target model to restore it")
             state["embed_tokens.weight"] = target_model.get_input_embeddings().weight.detach().cpu()
-        model.load_state_dict(state, strict=True)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:  # missing, unexpected or mis-shaped tensors: pages of them, one line here
+            raise HstapError(f"{run_dir}/model.safetensors: not the drafter its config.json describes "
+                             f"({str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else exc})"
+                             ) from None
         return model

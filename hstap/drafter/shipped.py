@@ -9,17 +9,18 @@ stops where one session's steps leave it (docs/benchmarks.md: about +0.2 chain-3
 trained). Shipping the recipe's drafter lets every session add its steps to the last one's. A shipped drafter is a
 `hstap train` run directory whose weights are xz-compressed (`model.safetensors.xz`: 29 MB of bf16 → 21 MB);
 `resolve_drafter` unpacks it once into the model cache (`$HSTAP_CACHE/drafters/NAME-SHA12`) and returns that
-directory. `provenance.json` beside it says what trained it and what it measured.
+directory. `provenance.json` beside it says what trained it and what it measured; `checksum.json` holds the
+unpacked weights' sha256, which every load checks (hstap.drafter.integrity).
 """
 
 from __future__ import annotations
 
-import hashlib
 import lzma
 import os
 import shutil
 from pathlib import Path
 
+from hstap.drafter.integrity import sha256_file
 from hstap.errors import HstapError
 
 SHIPPED = Path(__file__).parent / "shipped"
@@ -62,9 +63,10 @@ def unpack(src: Path) -> Path:
     from hstap.models.target import cache_root
 
     packed = src / PACKED
-    digest = _sha256(packed)[:12]
+    digest = sha256_file(packed)[:12]
     dest = cache_root() / "drafters" / f"{src.name}-{digest}"
     if (dest / "model.safetensors").is_file():
+        _add_missing(src, dest)
         return dest
     tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -88,9 +90,11 @@ def unpack(src: Path) -> Path:
     return dest
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _add_missing(src: Path, dest: Path) -> None:
+    """Copy into an unpacked drafter the small files shipped since it was unpacked (checksum.json, 2026-12: the
+    weights of a cache unpacked before it would load unchecked), each renamed into place whole."""
+    for extra in src.iterdir():
+        if extra.name != PACKED and extra.is_file() and not (dest / extra.name).exists():
+            tmp = dest / f".{extra.name}.tmp{os.getpid()}"
+            shutil.copy2(extra, tmp)
+            os.replace(tmp, dest / extra.name)

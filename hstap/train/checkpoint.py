@@ -119,6 +119,19 @@ def _write(out: Path, drafter, optimizer, scheduler, state: State) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def cover_metrics(out: Path) -> None:
+    """Make the checkpoint in `out` cover metrics.jsonl as it is now (rank 0): the final evaluation is logged after
+    the last step's checkpoint, and a run extended later (`--resume --epochs N`) must keep it, not cut it away."""
+    meta = read_meta(Path(out))
+    if meta is None:
+        return
+    meta["metrics_bytes"] = _synced_size(Path(out) / "metrics.jsonl")
+    path = Path(out) / CKPT / "meta.json"
+    tmp = path.with_name("meta.json.tmp")
+    tmp.write_text(json.dumps(meta) + "\n")
+    os.replace(tmp, path)
+
+
 def os_error(exc: BaseException) -> OSError | None:
     """The OSError behind `exc`: torch.save reports a full disk as RuntimeError("unexpected pos …") raised while
     closing the archive, the write's OSError(ENOSPC) in its context (when writing through a file object)."""
@@ -162,6 +175,8 @@ def exists(out: Path) -> bool:
 
 
 def load(out: Path, drafter, optimizer, scheduler) -> State:
+    """Restore the drafter, optimizer, scheduler and RNG from `out`'s checkpoint; nothing in `out` is written (the
+    metrics are cut by `cut_to`, once the run is known to continue)."""
     path = Path(out) / CKPT / "trainer.pt"
     if not exists(out):
         raise HstapError(f"--resume: no checkpoint at {path}; run without --resume to start fresh")
@@ -179,11 +194,15 @@ def load(out: Path, drafter, optimizer, scheduler) -> State:
     if set(blob["state"]) - known:
         raise HstapError(f"{path}: checkpoint written by an older hstap (state fields {sorted(blob['state'])}); "
                          f"it cannot be resumed: start the run again without --resume")
-    state = State(**blob["state"])
+    return State(**blob["state"])
+
+
+def cut_to(out: Path, step: int) -> None:
+    """Cut `out`/metrics.jsonl back to what the checkpoint (of `step`) covers: a resumed run replays the steps after
+    it (rank 0, after `load`, once the run is known to continue)."""
     cut = Path(out) / CKPT / "metrics_bytes"  # checkpoints written before meta.json
     meta = read_meta(out) or ({"metrics_bytes": int(cut.read_text())} if cut.exists() else {})
-    cut_metrics(Path(out) / "metrics.jsonl", meta.get("metrics_bytes"), state.step)
-    return state
+    cut_metrics(Path(out) / "metrics.jsonl", meta.get("metrics_bytes"), step)
 
 
 def cut_metrics(path: Path, size: int | None, step: int) -> None:

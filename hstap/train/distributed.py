@@ -78,29 +78,32 @@ class LateVote:
     whole step, every step, leaving the GPU idle while the host turns to the next one. Here a call queues this
     step's vote (an all-reduce of a device scalar, no host copy in) and returns the answer of the call before,
     copied out behind an event and done by now. Every rank makes the same calls, so every rank gets the same
-    answer at the same step. One process: the vote itself, at once."""
+    answer at the same step. One process: the vote itself, at once.
+
+    A vote may be a small int instead of a bool (hstap.train.stop: 1 a checkpoint is due, 2 a rank was signalled
+    to stop): the answer is the largest of every rank's."""
 
     def __init__(self, dist: Dist):
         self.dist = dist
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
-    def __call__(self, yes: bool) -> bool:
+    def __call__(self, yes: bool | int) -> int:
         if not self.dist.enabled:
-            return yes
+            return int(yes)
         earlier = self._take()
         vote = torch.full((1,), float(yes), device=self.dist.device)
         tdist.all_reduce(vote, op=tdist.ReduceOp.MAX)
         self._pending = copy_out(vote)
         return earlier
 
-    def _take(self) -> bool:
+    def _take(self) -> int:
         if self._pending is None:
-            return False
+            return 0
         vote, ready = self._pending
         self._pending = None
         if ready is not None:
             ready.synchronize()
-        return bool(vote[0] > 0)
+        return int(vote[0])
 
     def clear(self) -> None:
         """Drop the vote in flight (after acting on a yes: the vote queued beside it predates the action). Every

@@ -30,7 +30,7 @@ from hstap.config import TeacherSpec
 from hstap.errors import HstapError
 from hstap.faults import fault_point
 from hstap.metrics import tokens_per_second
-from hstap.train import checkpoint, distributed, rundir
+from hstap.train import checkpoint, distributed, resume, rundir
 from hstap.train.config import TrainConfig
 from hstap.train.calibrate import calibrate, calibration_indices, prompt_of
 from hstap.train.data import BatchSource, SampleSource, StoreSource, load_batch, plan_batches, split_heldout
@@ -38,7 +38,8 @@ from hstap.train.gradsync import FlatGradients
 from hstap.train.graphed import GraphedTTT
 from hstap.train.heldout import evaluate_heldout, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
-from hstap.train.steplog import StepLog
+from hstap.train.steplog import NonFiniteStep, StepLog
+from hstap.train.stop import STOP, TrainStop
 from hstap.train.ttt import TTTModel, batch_tensors
 from hstap.train.ttt import autocast as ttt_autocast
 
@@ -52,8 +53,13 @@ class TrainResult:
     heldout: dict  # last held-out evaluation
     initial_heldout: dict  # the untrained drafter on the same split
     drafter: Eagle3Drafter | None = None  # the trained model, in memory (each rank's copy under DDP)
+    already_finished: bool = False  # `--resume` of a run that had nothing left to do: nothing was written
 
     def summary(self) -> str:
+        if self.already_finished:
+            return (f"hstap train: the run in {self.out} already finished at step {self.steps}; nothing to do, nothing "
+                    f"written (its drafter: {self.out / 'model.safetensors'}); a larger --epochs or --max-steps "
+                    "trains on")
         h, h0 = self.heldout, self.initial_heldout
         tau = ", ".join(f"{d}:{v:.2f}" for d, v in h.get("tau_est", {}).items())
         lines = [f"trained {self.steps} steps on {self.train_tokens} tokens "
@@ -294,12 +300,39 @@ def refit_to_budget(cap: int, step: int, seconds_per_step: float, seconds_left: 
 
 def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     """Train a drafter; see the module docstring. Rank 0 writes the run directory. Sizes left unset in `cfg` are
-    filled in for its device first (TrainConfig.sized_for_device)."""
-    from hstap.models import load_target
+    filled in for its device first (TrainConfig.sized_for_device).
 
+    Stops: SIGTERM/SIGINT write the checkpoint of the step in flight, then raise `Interrupted` (hstap.train.stop);
+    a loss or gradient that turns NaN or inf raises HstapError naming the step, the last checkpoint kept and none
+    written past it. A fresh run that fails before its first checkpoint leaves nothing in `--out` that would block
+    the corrected command (rundir.EarlyFailureCleanup)."""
     cfg = cfg.sized_for_device()
     fused.enable(cfg.compile)
     rundir.preflight(cfg)  # no model, no process group yet: bad flags and a run directory in use fail at once
+    changed = resume.changed_flags(Path(cfg.out), cfg) if cfg.resume else {}  # refused ones: one line, now
+    with TrainStop() as stop, rundir.EarlyFailureCleanup(Path(cfg.out), fresh=not cfg.resume) as cleanup:
+        try:
+            return _train(cfg, changed, stop, cleanup, progress)
+        except NonFiniteStep as exc:
+            raise HstapError(_non_finite(exc, Path(cfg.out))) from None
+
+
+def _non_finite(exc: NonFiniteStep, out: Path) -> str:
+    """The one line a NaN/inf step stops the run with: the step, its numbers, what is kept, what to do."""
+    kept = checkpoint.read_meta(out)
+    then = (f"the checkpoint of step {kept['step']} is kept (nothing after it written): remove the NaN/inf states "
+            "from the data and run the same command with --resume, or start again with a lower --lr (--overwrite)"
+            ) if kept else ("no checkpoint had been written, so the run left nothing in --out: remove the NaN/inf "
+                            "states from the data or lower --lr, then run the command again")
+    return f"step {exc.step}: the loss turned {exc.loss} (gradient norm {exc.grad_norm}); training stopped: {then}"
+
+
+def _train(cfg: TrainConfig, changed: dict[str, tuple], stop: TrainStop, cleanup: rundir.EarlyFailureCleanup,
+           progress: bool) -> TrainResult:
+    """`run_train` inside its signal handlers and early-failure cleanup; `changed`: the --epochs/--max-steps a
+    resume changes (hstap.train.resume)."""
+    from hstap.models import load_target
+
     dist = distributed.setup(cfg.device)
     device = dist.device
     # the target sits on the device when it prefills (online) or decodes the calibration prompts (rank 0)
@@ -313,7 +346,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                                  draft_vocab=min(cfg.draft_vocab, target.model.config.vocab_size),
                                  intermediate=cfg.draft_intermediate or target.model.config.intermediate_size)
     train_idx, held_idx = split_heldout(source.ids, cfg.heldout, cfg.seed)
-    if cfg.heldout > 0 and not held_idx and dist.rank == 0:
+    if cfg.heldout > 0 and not held_idx and dist.rank == 0 and not cfg.resume:  # a resumed run said so already
         tqdm.write(f"hstap train: --heldout {cfg.heldout:g} of {len(source.ids)} samples holds none out: the run "
                    "reports no held-out loss, top-1 or τ estimate")
     if not train_idx:
@@ -353,15 +386,27 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             raise HstapError(f"--resume: the checkpoint in {out} took {state.batches_per_step} batches per step "
                              f"(ranks × --grad-accum), this run takes {batches_per_step} ({dist.world_size} × "
                              f"{cfg.grad_accum}): set --grad-accum so the global batch is the same")
+        if not schedule.fitted:  # --epochs/--max-steps as this command gives them (resume.py: the rule)
+            resume.reschedule(schedule, scheduler, total_steps)
+        if (state.step >= schedule.total or state.epoch >= cfg.epochs) and resume.drafter_written_at(out, state.step):
+            return TrainResult(out, state.step, state.train_tokens, 0.0, {}, state.initial_heldout,
+                               already_finished=True)
+        if dist.rank == 0:
+            checkpoint.cut_to(out, state.step)
+            resume.write_config(out, resume.as_recorded(out, cfg))  # the flags it runs with now, --max-steps included
     elif dist.rank == 0:
+        cleanup.wrote = True  # from here the files in --out are this run's: removed if it fails before a checkpoint
         if cfg.overwrite:
             rundir.clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        resume.write_config(out, cfg)
         drafter.config.save(out / "config.json")
         (out / "metrics.jsonl").write_text("")
     log = checkpoint.MetricsLog(out / "metrics.jsonl", enabled=dist.rank == 0, tensorboard=out / "tb",
                                 purge_step=state.step if cfg.resume else None)
+    if changed:
+        log.write({"kind": "resume", "step": state.step, "total_steps": schedule.total,
+                   "changed": {name: list(pair) for name, pair in changed.items()}})
     calib_idx = calibration_indices(source, held_idx, cfg.calib_prompts) if dist.rank == 0 else []
     prompts = [prompt_of(source, i) for i in calib_idx]
 
@@ -429,6 +474,7 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.refresh()
         return fitted
 
+    stop.defer()  # from here a signal ends the loop after the step in flight, its checkpoint written
     while state.step < total_steps and state.epoch < cfg.epochs:
         plan = epoch_plan(state.epoch)
         while state.step_in_epoch < len(plan) // batches_per_step and state.step < total_steps:
@@ -454,12 +500,19 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             bar.update(1)
             if state.step - first_step == ETA_AFTER_STEPS and dist.rank == 0:
                 _say_how_long(cfg, time.perf_counter() - steps_from, ETA_AFTER_STEPS, total_steps - state.step)
-            # ranks' clocks differ: any rank's clock due, all save (learned a step late on several ranks)
-            if due.by_steps(state.step) | time_vote(due.by_time()):
-                steplog.flush()  # the metrics hold every step the checkpoint does
+            # ranks' clocks differ: any rank's clock due, all save (learned a step late on several ranks); a signal
+            # to any rank rides on the same vote, so all stop after the same step (hstap.train.stop)
+            vote = time_vote(stop.code(due.by_time()))
+            stop.agreed(vote)
+            if due.by_steps(state.step) or vote:
+                steplog.flush()  # the metrics hold every step the checkpoint does; a NaN step stops the run here
                 checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
                 due.saved()
                 time_vote.clear()
+                if vote >= STOP:
+                    log.close()
+                    stop.raise_stopped(f"the checkpoint of step {state.step} is written in {out}; run the same "
+                                       "command with --resume to continue from it")
             fault_point("step-done")  # HSTAP_FAULT=step-done:N: a preemption right after step N
             if refits and (state.step - first_step) % REFIT_EVERY == 0 and state.step < total_steps:
                 schedule.total = total_steps = refit(total_steps)
@@ -477,12 +530,25 @@ def run_train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 schedule.total = total_steps = refit(total_steps)
     steplog.flush()
     bar.close()
+    # the last step's checkpoint before the final evaluation: a stop or a crash during it (or during the drafter's
+    # write) loses no step; the resume evaluates and writes the drafter without training
+    checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
+    stop.agreed(STOP if dist.agree_max(float(stop.signum is not None)) else 0)
+    if stop.signum is not None:  # it came after the last step's vote: the checkpoint just written holds that step
+        log.close()
+        stop.raise_stopped(f"the checkpoint of step {state.step}, the run's last, is written in {out}; run the same "
+                           "command with --resume to evaluate it and write the drafter")
+    stop.defer(False)  # a signal from here stops at once: the checkpoint holds every step
+    # nothing trained (killed after the last checkpoint, before its drafter was written): evaluated already?
+    logged = resume.logged_eval(out, state.step) if state.step == first_step and cfg.resume and dist.rank == 0 else None
+    if logged is not None:
+        last_eval = logged
     # a run that stops mid-epoch (a step or time budget) is judged where it stopped, not at its last epoch's end
-    if dist.rank == 0 and (last_eval is initial or state.step_in_epoch > 0):
+    elif dist.rank == 0 and (last_eval is initial or state.step_in_epoch > 0):
         last_eval = heldout_eval()
         log_eval(last_eval)
+        checkpoint.cover_metrics(out)  # an extension of this run (--resume --epochs N) keeps this evaluation
     log.close()
-    checkpoint.save(out, drafter, optimizer, scheduler, state, dist)
     error = _save_final(drafter, out, state.step) if dist.rank == 0 else None
     if dist.agree_max(float(error is not None)):  # also the barrier: no rank waits on a rank 0 that failed
         raise HstapError(error or "rank 0 could not write the trained drafter")
@@ -497,7 +563,7 @@ def _save_final(drafter: Eagle3Drafter, out: Path, step: int) -> str | None:
     from safetensors import SafetensorError
 
     try:
-        drafter.save_pretrained(out)
+        drafter.save_pretrained(out, step=step)  # the step marks it as the finished run's (resume.drafter_written_at)
         plot_metrics(out / "metrics.jsonl", out)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
         why = getattr(exc, "strerror", None) or str(exc)

@@ -23,8 +23,8 @@ from hstap.train.config import TrainConfig
 
 # what a training run writes into OUT (hstap.train.run, checkpoint, tblog, plots): what --overwrite deletes
 RUN_FILES = ("checkpoint", ".checkpoint.tmp", ".checkpoint.old", "metrics.jsonl", "metrics.jsonl.tmp", "tb",
-             "config.json", "model.safetensors", "model.safetensors.tmp", "train_config.json", "loss.png",
-             "accuracy.png", "tau_estimate.png")
+             "config.json", "model.safetensors", "model.safetensors.tmp", "checksum.json", "checksum.json.tmp",
+             "train_config.json", "train_config.json.tmp", "loss.png", "accuracy.png", "tau_estimate.png")
 
 
 RUN_MARKS = ("train_config.json", "metrics.jsonl", "checkpoint", ".checkpoint.tmp")  # only a run writes these
@@ -101,6 +101,33 @@ def clear_run(out: Path) -> None:
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+class EarlyFailureCleanup:
+    """A fresh run that fails (an error, a signal, a NaN) before its first checkpoint removes the run files it wrote
+    (config.json, train_config.json, metrics.jsonl, tb/) and the `--out` directory it made: nothing of a run that
+    trained no kept step is worth keeping, and left behind they would make the corrected command refuse `--out`
+    ("not empty"). Files it did not write stay: `wrote` is set by the run just before it writes (rank 0).
+
+        with EarlyFailureCleanup(out, fresh=not cfg.resume) as cleanup:
+            ...
+            cleanup.wrote = True
+            (out / "train_config.json").write_text(...)
+    """
+
+    def __init__(self, out: Path, fresh: bool) -> None:
+        self.out, self.fresh, self.wrote = Path(out), fresh, False
+        self.made = not self.out.exists()
+
+    def __enter__(self) -> EarlyFailureCleanup:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is None or not (self.fresh and self.wrote) or checkpoint.exists(self.out):
+            return
+        clear_run(self.out)
+        if self.made and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
 
 
 class CheckpointClock:

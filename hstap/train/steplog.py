@@ -15,9 +15,19 @@ the next step is queued behind them.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
+
+
+class NonFiniteStep(Exception):
+    """A step's loss or gradient norm came back NaN or inf (raised by `StepLog.flush` before its record is written:
+    a run stops there, keeping its last checkpoint, instead of training on, and checkpointing, NaN weights)."""
+
+    def __init__(self, record: dict, loss: float, grad_norm: float) -> None:
+        super().__init__(f"step {record.get('step')}: loss {loss}, gradient norm {grad_norm}")
+        self.step, self.loss, self.grad_norm = record.get("step"), loss, grad_norm
 
 
 def copy_out(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -48,7 +58,8 @@ class StepLog:
         self._held = (record, *copy_out(numbers))
 
     def flush(self) -> None:
-        """Write the held step, waiting for its numbers if they are not back yet."""
+        """Write the held step, waiting for its numbers if they are not back yet; NonFiniteStep instead when its
+        loss or gradient norm is NaN or inf (every checkpoint is preceded by a flush, so none holds such a step)."""
         if self._held is None:
             return
         record, host, ready = self._held
@@ -56,6 +67,8 @@ class StepLog:
         if ready is not None:
             ready.synchronize()
         loss, grad_norm, *step_losses = host.tolist()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteStep(record, loss, grad_norm)
         self.write({**record, "loss": loss, "step_losses": step_losses, "grad_norm": grad_norm})
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}")

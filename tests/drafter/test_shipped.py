@@ -26,10 +26,25 @@ def test_a_shipped_name_unpacks_once_into_the_cache(cache):
     assert "smollm2-recipe" in shipped_names()
     first = resolve_drafter("smollm2-recipe")
     assert first.parent == cache / "drafters" and first.name.startswith("smollm2-recipe-")
-    assert {p.name for p in first.iterdir()} == {"config.json", "model.safetensors", "provenance.json"}
+    assert {p.name for p in first.iterdir()} == {"checksum.json", "config.json", "model.safetensors",
+                                                 "provenance.json"}
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_drafter("smollm2-recipe") == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert not [p for p in first.parent.iterdir() if ".tmp" in p.name], "no temporary directory is left behind"
+
+
+def test_the_shipped_weights_are_checked_by_their_checksum_even_in_an_older_cache(cache):
+    """checksum.json ships beside the archive: the unpacked weights verify against it (a flipped byte in the cache
+    is refused by every load), and a cache unpacked before it shipped gets it on the next resolve. The target the
+    drafter was trained for is unchanged (its fingerprint, the SmolLM2 conversion's)."""
+    from hstap.drafter.config import DrafterConfig
+    from hstap.drafter.integrity import CHECKSUM, verify_checksum
+
+    unpacked = resolve_drafter("smollm2-recipe")
+    assert verify_checksum(unpacked)
+    assert DrafterConfig.load(unpacked / "config.json").target_fingerprint == "bf47b30c88baf94b"
+    (unpacked / CHECKSUM).unlink()  # as a cache unpacked before 2026-12 is
+    assert resolve_drafter("smollm2-recipe") == unpacked and verify_checksum(unpacked)
 
 
 def test_reference_names_the_recipe_drafter(cache):

@@ -1,13 +1,16 @@
 """Run by torchrun in test_ddp.py: train with DDP, then save this rank's weights for comparison.
 
-    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [AFTER_OUT [BUDGET_OUT]]]]
+    ddp_worker.py STORE OUT DUMP [MAX_STEPS [STOP_AFTER [AFTER_OUT [BUDGET_OUT [TERM_OUT]]]]]
 
 STOP_AFTER: both ranks stop training right after the checkpoint of that step (a preempted job; 0: never). Each
 rank saves its trainable weights to DUMP/rank<R>.pt when it stops (at STOP_AFTER, or at the end). AFTER_OUT: then,
 in the same processes (no second start-up), a run of MAX_STEPS with `--grad-reduce after` (one all-reduce of a flat
 gradient buffer after the backward) into AFTER_OUT, its weights saved to DUMP/after_rank<R>.pt. BUDGET_OUT: then a
 run under `--time-budget` on fake clocks that tick a second per batch fetched on rank 0 and 1.5 on rank 1 (ranks
-start apart and run at different speeds), its weights and step count saved to DUMP/budget_rank<R>.pt."""
+start apart and run at different speeds), its weights and step count saved to DUMP/budget_rank<R>.pt. TERM_OUT:
+before the budget run (its fake clock stays), a run of MAX_STEPS into TERM_OUT in which rank 1 alone sends itself
+SIGTERM after step 1 (HSTAP_FAULT): how each rank's run ended (the signal it stopped with) goes to
+DUMP/term_rank<R>.pt."""
 
 import sys
 from pathlib import Path
@@ -23,6 +26,7 @@ max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 after_out = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 budget_out = Path(sys.argv[7]) if len(sys.argv) > 7 else None
+term_out = Path(sys.argv[8]) if len(sys.argv) > 8 else None
 rank = None
 
 
@@ -55,6 +59,22 @@ if after_out is not None:
     result = run_train(TrainConfig(out=after_out, grad_reduce="after", checkpoint_every=200, **common),
                        progress=False)
     torch.save(weights(result.drafter), dump / f"after_rank{torch.distributed.get_rank()}.pt")
+if term_out is not None:
+    import os
+
+    import hstap.faults as faults
+    from hstap.errors import Interrupted
+
+    if torch.distributed.get_rank() == 1:
+        os.environ["HSTAP_FAULT"] = "step-done:1:TERM"
+    faults.reset()
+    try:
+        run_train(TrainConfig(out=term_out, checkpoint_every=200, **common), progress=False)
+        ended = None
+    except Interrupted as exc:
+        ended = int(exc.signum)
+    os.environ.pop("HSTAP_FAULT", None)
+    torch.save({"signum": ended}, dump / f"term_rank{torch.distributed.get_rank()}.pt")
 if budget_out is not None:
     clock, tick = {"t": 0.0}, 1.0 + 0.5 * torch.distributed.get_rank()
     real_load = run_module.load_batch

@@ -30,9 +30,10 @@ def _torchrun(*args: str) -> None:
 def preempted(small_store, tmp_path_factory):
     """One 2-rank run of 4 planned steps, preempted right after its step-2 checkpoint (each rank dumps its weights
     as it leaves), then, in the same processes, 4 steps with `--grad-reduce after`, then a run under
-    `--time-budget` on fake clocks: what the tests below read."""
+    `--time-budget` on fake clocks, and a run SIGTERMed on rank 1 alone: what the tests below read."""
     tmp = tmp_path_factory.mktemp("ddp")
-    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2", str(tmp / "after"), str(tmp / "budget"))
+    _torchrun(str(small_store), str(tmp / "ddp"), str(tmp), "4", "2", str(tmp / "after"), str(tmp / "budget"),
+              str(tmp / "term"))
     return tmp
 
 
@@ -109,3 +110,21 @@ def test_a_budgeted_run_stops_every_rank_at_the_same_step_though_their_clocks_di
     assert len(fitted) == 1 and fitted[0]["seconds_per_step"] == 1.5  # the slower rank's step time, agreed
     lrs = [r["lr"] for r in records if r["kind"] == "train"]
     assert lrs[-1] == 0.0  # the schedule every rank stepped reached its end where the run stopped
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_its_checkpoint(preempted, single, small_store,
+                                                                                tmp_path):
+    """Under torchrun a SIGTERM may reach one rank (or all, at different moments): the stop rides on the vote the
+    ranks take after every step, so both write the checkpoint of the same step and leave with SIGTERM (rank 1
+    signalled after step 1, voted after step 2, every rank learned it after step 3). One process then resumes it
+    to the run both 2-rank forms equal. Before: rank 1 died of the signal and torchrun failed the job."""
+    import signal
+
+    from hstap.train import checkpoint
+
+    assert [torch.load(preempted / f"term_rank{r}.pt")["signum"] for r in (0, 1)] == [signal.SIGTERM] * 2
+    assert checkpoint.read_meta(preempted / "term")["step"] == 3 == len(_losses(preempted / "term"))
+    shutil.copytree(preempted / "term", tmp_path / "term")
+    run_train(TrainConfig(store=small_store, out=tmp_path / "term", resume=True, grad_accum=2, **COMMON),
+              progress=False)
+    assert _losses(tmp_path / "term") == pytest.approx(single[0], rel=1e-4)
