@@ -21,47 +21,19 @@ stop all of them there.
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 
 from hstap.errors import Interrupted
 from hstap.faults import fault_point
+from hstap.signals import SIGNALS, DeferredStop
 from hstap.store.writer import StoreWriteError, StoreWriter
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+class StopSignals(DeferredStop):
+    """SIGINT/SIGTERM handlers for the duration of a `with` (hstap.signals): once deferred, the loop ends after
+    the batch in flight and the writer commits its buffer."""
 
-
-class StopSignals:
-    """Installs SIGINT/SIGTERM handlers for the duration of a `with` (main thread only; elsewhere a no-op)."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum: int | None = None
-        self._deferring = False
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> StopSignals:
-        if self.enabled:
-            self._old = {s: signal.signal(s, self._handle) for s in SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-    def defer(self) -> None:
-        """From now on the first signal is only recorded: the caller stops at its next check."""
-        self._deferring = True
-
-    def _handle(self, signum: int, frame) -> None:
-        if self._deferring and self.signum is None:
-            self.signum = signum
-            name = signal.Signals(signum).name
-            os.write(2, f"\nhstap capture: {name}: stopping after this batch and committing what is buffered "
-                        f"({name} again to stop at once)\n".encode())
-            return
-        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+    command = "hstap capture"
+    notice = "stopping after this batch and committing what is buffered"
 
     def agree(self, failed: bool = False) -> bool:
         """Agree with the other ranks whether to stop before the next batch (`failed`: this rank's store cannot

@@ -16,27 +16,17 @@ drafters carry a checksum.json of their unpacked weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from hstap.errors import HstapError
+from hstap.store.reader import sha256_file
 
 WEIGHTS = "model.safetensors"
 CHECKSUM = "checksum.json"  # {"file": "model.safetensors", "sha256": hex, "bytes": n}, as a store's manifest lists
-HASH_CHUNK = 1 << 20
 RESTORE = "restore the drafter from a good copy or train it again"
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of `path`, read in 1 MiB chunks (a 100 MB drafter: ~0.2 s)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checksum_record(weights: Path) -> dict:

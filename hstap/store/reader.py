@@ -148,7 +148,7 @@ class Store:
             return
         shard = self.manifest.shards[shard_idx]
         problem = listed_problem(self.path, shard)
-        if problem is None and _sha256_file(self.path / shard.file) != shard.sha256:
+        if problem is None and sha256_file(self.path / shard.file) != shard.sha256:
             problem = f"{shard.file}: sha256 mismatch (contents changed since commit)"
         if problem:
             raise HstapError(f"store {self.path}: {problem}; {DAMAGED_HINT}")
@@ -236,7 +236,8 @@ def open_store(path: Path | str, skip_bad_shards: bool = False) -> Store:
     return store
 
 
-def _sha256_file(file: Path) -> str:
+def sha256_file(file: Path) -> str:
+    """The hex sha256 of `file`, read in HASH_CHUNK pieces (shards, and drafters' weights: hstap.drafter.integrity)."""
     h = hashlib.sha256()
     with open(file, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
@@ -249,7 +250,7 @@ def _shard_problems(path: Path, shard: ShardInfo, manifest: Manifest) -> list[st
     problem = listed_problem(path, shard)
     if problem:
         return [problem]
-    if _sha256_file(file) != shard.sha256:
+    if sha256_file(file) != shard.sha256:
         return [f"{shard.file}: sha256 mismatch (contents changed since commit)"]
     problems = []
     lengths = sum(e.length for e in shard.samples)

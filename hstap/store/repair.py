@@ -36,7 +36,7 @@ from hstap.store.manifest import (
     shard_files,
     shard_name,
 )
-from hstap.store.reader import _sha256_file
+from hstap.store.reader import sha256_file
 
 DAMAGED_SUFFIX = ".damaged"
 
@@ -77,7 +77,7 @@ def _diffs(stored: StoreMeta, asked: StoreMeta) -> list[str]:
 
 
 def _shard_info(file: Path, samples: list[SampleEntry], tokens: int) -> ShardInfo:
-    return ShardInfo(file=file.name, sha256=_sha256_file(file), bytes=file.stat().st_size, num_tokens=tokens,
+    return ShardInfo(file=file.name, sha256=sha256_file(file), bytes=file.stat().st_size, num_tokens=tokens,
                      samples=samples)
 
 

@@ -19,33 +19,20 @@ rank's code (0 go on, CHECKPOINT, STOP), learned one step late, the same on ever
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 
 from hstap.errors import Interrupted
+from hstap.signals import DeferredStop
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 CHECKPOINT, STOP = 1, 2  # vote codes: a checkpoint is due on some rank; some rank was signalled (checkpoint, stop)
 
 
-class TrainStop:
-    """SIGINT/SIGTERM handlers for the duration of a `with` (main thread only; elsewhere a no-op)."""
+class TrainStop(DeferredStop):
+    """SIGINT/SIGTERM handlers for the duration of a `with` (hstap.signals): once deferred, the loop stops after
+    the step in flight, its checkpoint written."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum: int | None = None
-        self._deferring = False
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> TrainStop:
-        if self.enabled:
-            self._old = {s: signal.signal(s, self._handle) for s in SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
+    command = "hstap train"
+    notice = "stopping after this step and writing its checkpoint"
 
     def defer(self, on: bool = True) -> None:
         """From now on (`on`) the first signal is only recorded: the loop stops after the step in flight, its
@@ -53,15 +40,6 @@ class TrainStop:
         self._deferring = on
         if not on and self.signum is not None:
             self.raise_stopped("the checkpoint holds every step")
-
-    def _handle(self, signum: int, frame) -> None:
-        if self._deferring and self.signum is None:
-            self.signum = signum
-            name = signal.Signals(signum).name
-            os.write(2, f"\nhstap train: {name}: stopping after this step and writing its checkpoint ({name} again "
-                        "to stop at once)\n".encode())
-            return
-        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
 
     def code(self, checkpoint_due: bool) -> int:
         """This rank's vote after a step: STOP when signalled, CHECKPOINT when its clock says one is due."""
