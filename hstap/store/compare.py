@@ -172,7 +172,7 @@ def _topk_disagreement(x: dict, y: dict, tol: float) -> dict[str, float]:
     return {"max_abs": float(wrong), "rel": wrong / total if total else 0.0, "min_cos": 1.0}
 
 
-def check_comparable(stores: dict[str, object]) -> None:
+def check_comparable(stores: dict[str, object], any_model: bool = False) -> None:
     """Raise `DIFFERENT STORES: …` (one line) when the stores' meta say they hold different things: another model,
     other layers, another hidden size, another teacher. `stores`: label → open Store, the first the reference point.
 
@@ -184,7 +184,7 @@ def check_comparable(stores: dict[str, object]) -> None:
         b = store.manifest.meta
         differ = []
         known = {"", "unknown"}
-        if a.model_fingerprint not in known and b.model_fingerprint not in known \
+        if not any_model and a.model_fingerprint not in known and b.model_fingerprint not in known \
                 and a.model_fingerprint != b.model_fingerprint:
             differ.append(f"model {a.model_id} (fingerprint {a.model_fingerprint[:12]}) vs {b.model_id} "
                           f"(fingerprint {b.model_fingerprint[:12]})")
@@ -196,13 +196,15 @@ def check_comparable(stores: dict[str, object]) -> None:
             differ.append(f"teacher {a.teacher} vs {b.teacher}")
         if differ:
             raise HstapError(f"DIFFERENT STORES: {first_label} and {label} cannot be compared: {'; '.join(differ)} "
-                             "(capture both from the same model with the same --layers and --teacher)")
+                             "(capture both from the same model with the same --layers and --teacher; --any-model when only the config "
+                             "differs)")
 
 
 def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: float = 0.999,
                    keep_per_sample: bool = False, reference: Path | str | None = None,
-                   within: float = 2.0) -> Comparison:
+                   within: float = 2.0, any_model: bool = False) -> Comparison:
     """Compare the samples two stores have in common, tensor by tensor (and each against `reference`, if given).
+    `any_model`: stores of different model fingerprints are compared too (the same weights under another config).
 
     Raises:
         HstapError: a directory is not a store, the two stores share no tensor name to compare, or the reference
@@ -210,7 +212,8 @@ def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: fl
     """
     sa, sb = open_store(a), open_store(b)
     sr = open_store(reference) if reference is not None else None
-    check_comparable({str(a): sa, str(b): sb, **({f"--reference {reference}": sr} if sr is not None else {})})
+    check_comparable({str(a): sa, str(b): sb, **({f"--reference {reference}": sr} if sr is not None else {})},
+                     any_model=any_model)
     ids_a, ids_b = sa.ids(), set(sb.ids())
     common = [i for i in ids_a if i in ids_b]
     names_a = {n for n in sa.manifest.tensors if n.startswith(("hidden.", "teacher."))}

@@ -18,7 +18,7 @@ def run(cfg: CompareConfig) -> int:
 
     c = compare_stores(cfg.dir_a, cfg.dir_b, rtol=cfg.rtol, min_cos=cfg.min_cos,
                        keep_per_sample=cfg.per_sample or cfg.as_json, reference=cfg.reference,
-                       within=cfg.within)
+                       within=cfg.within, any_model=cfg.any_model)
     if cfg.as_json:
         print(json.dumps({**asdict(c), "ok": c.ok, "status": c.status, "verdict": c.verdict()}, indent=2))
     else:

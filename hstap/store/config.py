@@ -68,5 +68,7 @@ class CompareConfig(BaseModel):
                                           "against the other")
     within: float = option(2.0, "with --reference: how many times the other store's error against it a store's "
                                 "may be", ge=1)
+    any_model: bool = option(False, "compare stores whose model fingerprints differ (the same weights under another "
+                                    "config.json, e.g. an engine's wrapper of the checkpoint)")
     per_sample: bool = option(False, "print every sample's numbers too")
     as_json: bool = option(False, "machine-readable output", flag="--json")

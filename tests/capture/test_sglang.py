@@ -135,7 +135,7 @@ def test_packed_batches_equal_the_transformers_capture(target, tokenizer, capsys
     assert report["captured"] == 5 and report["errors"] == 0, report
     assert report["unmatched"] == 1  # the warmup request
     assert report["skipped"] == {"health_check": 1, "decode": 1, "idle": 1}
-    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999)
+    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999, any_model=True)  # wrapped: another config
     assert cmp.ok, cmp.verdict()
     store = open_store(out)
     assert store.ids() == [s.id for s in samples]

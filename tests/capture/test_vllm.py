@@ -121,7 +121,7 @@ def test_kimi_k25_wrapper_fed_inputs_embeds_equals_the_transformers_capture(targ
     vllm_step(model, [("a", [7], len(s0)), ("c", s2, 0), ("d", s3, 0), ("e", s4, 0)], embeds=True)
     report = json.loads(w.remove_taps())[str(out.resolve())]
     assert report["captured"] == 5 and report["errors"] == 0 and "no_input_ids" not in report["skipped"], report
-    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999)
+    cmp = compare_stores(out, convs[1], rtol=1e-5, min_cos=0.99999, any_model=True)  # wrapped: another config
     assert cmp.ok, cmp.verdict()
 
 

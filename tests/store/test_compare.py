@@ -213,6 +213,20 @@ def test_stores_that_hold_different_things_are_different_stores_in_one_line(tmp_
     assert compare_stores(tmp_path / "a", tmp_path / "engine").ok
 
 
+def test_any_model_compares_the_same_weights_under_another_config(tmp_path, meta, capsys):
+    """Another fingerprint is DIFFERENT STORES unless --any-model says the weights are the same (an engine's
+    wrapper of the checkpoint has its own config.json); other layers stay different either way."""
+    write_samples(tmp_path / "a", meta, range(3))
+    write_samples(tmp_path / "b", meta.model_copy(update={"model_fingerprint": "f00d"}), range(3))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["compare", a, b]) == 2 and "--any-model" in capsys.readouterr().err
+    assert main(["compare", a, b, "--any-model"]) == 0 and "verdict: MATCH" in capsys.readouterr().out
+    _store(tmp_path / "c", meta.model_copy(update={"model_fingerprint": "f00d", "layer_ids": [2, 10, 20]}), range(3),
+           lambda i: _sample_of(i, [2, 10, 20], meta.hidden_size))
+    assert main(["compare", a, str(tmp_path / "c"), "--any-model"]) == 2
+    assert "layer ids" in capsys.readouterr().err
+
+
 def test_top_k_ids_are_compared_and_only_ties_may_swap(tmp_path, meta):
     """A top-k teacher's ids are a tensor both stores hold: ids shifted by one (a vocabulary offset) with equal
     log-probs used to MATCH, since only the log-probs were compared. Two ids whose log-probs tie may come in either
