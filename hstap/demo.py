@@ -193,6 +193,17 @@ def run(cfg: DemoConfig) -> int:
     return 0
 
 
+def verdict(result, method) -> str:
+    """What a shape's measured speedup means, said plainly: a broken baseline (above τ: hstap.evaluate.run), no
+    gain on this machine, or a gain."""
+    speedup = result.speedup(method)
+    if result.broken_baseline(method):
+        return f"BROKEN BASELINE: above τ {method.tau:.2f}, vanilla decoding was not at its best"
+    if speedup < 1:
+        return "does not pay on this machine: slower than vanilla decoding"
+    return "pays on this machine"
+
+
 def _final_table(p: Preset, prompts: int, trained, evaluated, shipped, exported: Path | None, timings: dict,
                  out: Path) -> None:
     from rich.console import Console
@@ -210,12 +221,12 @@ def _final_table(p: Preset, prompts: int, trained, evaluated, shipped, exported:
                       str(evaluated.files[0].parent / "report.md"))
         table.add_row(f"speedup, {m.shape.label}",
                       f"{evaluated.speedup(m):.2f}× ({m.tokens_per_second:.1f} vs "
-                      f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla)", "")
+                      f"{evaluated.vanilla.tokens_per_second:.1f} tok/s vanilla): {verdict(evaluated, m)}", "")
     for m in shipped.methods if shipped else []:
         speedup = shipped.speedup(m)
         table.add_row(f"shipped drafter '{p.shipped}' (GPU recipe), {m.shape.spec}",
-                      f"τ {m.tau:.2f}, {speedup:.2f}× (break-even τ here {m.tau / speedup:.2f})",
-                      str(shipped.files[0].parent / "report.md"))
+                      f"τ {m.tau:.2f}, {speedup:.2f}× (break-even τ here {m.tau / speedup:.2f}): "
+                      f"{verdict(shipped, m)}", str(shipped.files[0].parent / "report.md"))
     if trained:
         table.add_row("drafter", f"{trained.steps} steps, {trained.train_tokens} tokens", str(trained.out))
     if exported:

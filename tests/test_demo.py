@@ -63,3 +63,18 @@ def test_unknown_stage_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "demo.stages (--stages): expected a comma-separated subset of" in err
     assert "'synth,trian'" in err
+
+
+def test_the_verdict_says_plainly_whether_a_shape_pays():
+    """The demo's table says in words what a shape's speedup means on this machine (hstap.demo.verdict)."""
+    from types import SimpleNamespace
+
+    from hstap.demo import verdict
+
+    def result(speedup: float) -> SimpleNamespace:
+        return SimpleNamespace(speedup=lambda m: speedup, broken_baseline=lambda m: speedup > m.tau)
+
+    shape = SimpleNamespace(tau=1.8)
+    assert verdict(result(0.93), shape) == "does not pay on this machine: slower than vanilla decoding"
+    assert verdict(result(1.25), shape) == "pays on this machine"
+    assert verdict(result(2.22), shape).startswith("BROKEN BASELINE: above τ 1.80")

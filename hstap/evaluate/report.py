@@ -45,7 +45,10 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         "τ = tokens per target verification forward, bonus token included (the prefill's first token excluded); "
         "in brackets its 95 % bootstrap interval over the prompts (how far another draw of such prompts could "
         "move it). "
-        "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run.", "",
+        "Speedup = tokens/s against vanilla decoding on the same backend, measured in the same run. It cannot "
+        "exceed τ (a verification of k ≥ 1 tokens costs at least vanilla's best one-token step): a speedup above "
+        f"τ by more than timing noise ({100 * report.get('baseline_noise', 0.05):.0f} %) is marked **broken "
+        "baseline**, one above τ within it *within noise*.", "",
         "| method | τ | acceptance per position | draft tokens | tokens/s | speedup | ms per cycle: draft / verify / "
         "between | same as vanilla |",
         "|---|---|---|---|---|---|---|---|",
@@ -57,8 +60,14 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         ms = " / ".join(_fmt(s.get(f"{k}_ms_per_cycle"), ".1f") for k in ("draft", "verify", "between"))
         interval = s.get("tau_interval_95")  # reports before 2026-12-03 lack it
         tau = _fmt(s["tau"]) + (f" ({interval[0]:.2f}–{interval[1]:.2f})" if interval else "")
+        over = s.get("speedup_over_tau") or 0.0  # reports before 2026-12-06 lack it
+        broken = " **broken baseline: above τ**" if s.get("broken_baseline") else " *within noise*" if over > 1 else ""
         lines.append(f"| {s['label']} | {tau} | {acc} | {s['mean_draft_tokens']:.1f} | "
-                     f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x | {ms} | {same} |")
+                     f"{s['tokens_per_second']:.1f} | {_fmt(s['speedup'])}x{broken} | {ms} | {same} |")
+    products = tgt.get("cpu_products")
+    if products:
+        lines += ["", f"Projections: {products}."]
+    lines += divergence_lines(report)
     lines += [""] + [f"![{name}]({name})" for name in plot_names] + ["", "## Per prompt", ""]
     names = [s["shape"] for s in report["shapes"]]
     lines.append("| prompt | prompt tokens | vanilla tok/s | " + " | ".join(f"{n} τ / speedup" for n in names) + " |")
@@ -68,6 +77,28 @@ def markdown(report: dict, plot_names: list[str]) -> str:
         lines.append(f"| {row['id']} | {row['prompt_tokens']} | {row['vanilla']['tokens_per_second']:.1f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def divergence_lines(report: dict) -> list[str]:
+    """The greedy answers that left vanilla's: per shape, where, and the target's margin there in rounding steps
+    of its dtype (hstap.evaluate.divergence)."""
+    shapes = [s for s in report["shapes"] if s.get("divergences")]
+    if not shapes:
+        return []
+    lines = ["", "## Greedy answers that differ from vanilla", "",
+             ("First differing token of each such answer (0 = the prefill's token), the two tokens chosen there and "
+              "the target's logit margin between them in rounding steps of its dtype at that magnitude; within "
+              "rounding = the target's top two, no further apart than two computations of the same logits drift."),
+             "", "| shape | within rounding | prompt | position | vanilla / shape token | margin (ulps) | top two |",
+             "|---|---:|---|---:|---|---:|---|"]
+    for s in shapes:
+        divs = s["divergences"]
+        count = f"{s['divergences_within_rounding']}/{len(divs)}"
+        for k, d in enumerate(divs):
+            lines.append(f"| {s['label'] if k == 0 else ''} | {count if k == 0 else ''} | {d['prompt']} | "
+                         f"{d['position']} | {d['vanilla_token']} / {d['shape_token']} | "
+                         f"{_fmt(d['margin_ulps'], '.1f')} | {'yes' if d['top_two'] else 'no'} |")
+    return lines
 
 
 def plot_acceptance(report: dict, path: Path) -> Path:

@@ -19,6 +19,7 @@ batch's wall time (and its drafting / verification time) is shared equally by it
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,8 @@ class Methods:
 
     def __init__(self, model: torch.nn.Module, drafter: Eagle3Drafter | None, batch_size: int, max_len: int,
                  shapes: list[DraftShape] = (), cuda_graphs: bool | None = None, fused: bool | None = None,
-                 prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET, kv_write: str = "scatter"):
+                 prefill: str = "lean", prefill_bucket: int = PREFILL_BUCKET, kv_write: str = "scatter",
+                 clock: Callable[[], float] = time.perf_counter):
         # one cache length for the whole run (prompt + answer + the largest shape's draft columns): every batch
         # replays the same graphs
         reserve = max([SpecDecoder.reservation(s) for s in shapes], default=0)
@@ -74,6 +76,7 @@ class Methods:
         self.drafter, self.fused = drafter, fused  # fused: compiled graph bodies (SpecDecoder; default on CUDA)
         self.decoders: dict[str, SpecDecoder] = {}
         self.pad_id = 0
+        self.clock = clock  # seconds: what a batch's wall time is read from (a test's own clock, or the real one)
 
     def decoder(self, shape: DraftShape) -> SpecDecoder:
         if shape.spec not in self.decoders:
@@ -84,21 +87,21 @@ class Methods:
             temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Generation]:
         """One batch (at most batch_size prompts) with one method (None = vanilla)."""
         device = self.runtime.device
-        clock = StageClock(device)
+        stage_clock = StageClock(device)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
-        start = time.perf_counter()
+        start = self.clock()
         if shape is None:
             gens = self._vanilla(prompts, max_new_tokens, stop_ids, temperature, generator)
         else:
             dec = self.decoder(shape)
-            dec.clock = clock
+            dec.clock = stage_clock
             rows = dec.generate(prompts, max_new_tokens, stop_ids, self.pad_id, temperature, generator=generator)
             gens = [Generation(tokens=r.tokens, seconds=0.0, verify_forwards=len(r.accepted), accepted=r.accepted,
                                emitted=r.emitted, drafted=r.drafted) for r in rows]
         sync()
-        share = (time.perf_counter() - start) / len(prompts)
-        stages = clock.totals()
+        share = (self.clock() - start) / len(prompts)
+        stages = stage_clock.totals()
         cycles = max(g.verify_forwards for g in gens)
         for g in gens:
             g.cycles = cycles / len(prompts)

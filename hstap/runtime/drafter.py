@@ -26,15 +26,16 @@ from hstap.drafter import Eagle3Drafter, draft_to_target_ids
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.graphs import InCapture
 from hstap.runtime.kv import KVCache
-from hstap.runtime.linear import Projection
+from hstap.runtime.linear import Projection, choose_products
 
 
 class LeanDrafter:
     """The drafter's step from fused weights; `target_ids` maps draft ids to target ids. Eager on a CPU in fp32,
-    the head keeps oneDNN's copy of its weight (`hstap.runtime.linear`): a tree drafts several rows a step
-    through it (tree:8,8,60's drafting 31.1 → 20.7 ms on a 2-core CPU, `bench/forward_cost.py --reorder on off`,
-    2026-12-05). The layer's weights stay as they are: read again at every step, they stay in the CPU's cache,
-    where MKL multiplies as fast (a chain's drafting was 0.5 ms slower with them reordered too)."""
+    the head keeps oneDNN's copy of its weight (`hstap.runtime.linear`, used where measured faster): a tree
+    drafts several rows a step through it (tree:8,8,60's drafting 31.1 → 20.7 ms on a 2-core CPU,
+    `bench/forward_cost.py --reorder on off`, 2026-12-05). The layer's weights stay as they are: read again at
+    every step, they stay in the CPU's cache, where MKL multiplies as fast (a chain's drafting was 0.5 ms slower
+    with them reordered too)."""
 
     @torch.no_grad()
     def __init__(self, drafter: Eagle3Drafter, fused: bool | None = None):
@@ -53,6 +54,7 @@ class LeanDrafter:
         self.down = mlp.down_proj.weight
         use = self.embed.device.type == "cuda" if fused is None else fused
         self.lm_head = Projection(drafter.lm_head.weight, reorder=False if use else None)  # compiled: F.linear
+        choose_products([self.lm_head])  # the product per row count the target's projections follow too: measured
         self.inv_freq = drafter.rotary.inv_freq
         self.target_ids = draft_to_target_ids(drafter.d2t).to(self.embed.device)  # (Vd,)
         self._step = InCapture(self._forward, use, "the drafter's fused step")

@@ -1,14 +1,26 @@
-"""The runtime's projections (a weight and its bias) and, on a CPU, oneDNN's blocked copy of the weight for
-products of four rows or more.
+"""The runtime's projections (a weight and its bias) and, on a CPU, oneDNN's blocked copy of the weight; each row
+count multiplies by whichever product `choose_products` measured fastest for it on this machine.
 
 A decoding forward streams every weight from memory once, so a 4-token verification should cost about what a
-1-token step does. On a CPU it did not: PyTorch's default fp32 GEMM (MKL) repacks the weight on every call from
-four rows on, and a chain:3 verification cost 1.57 decoding steps (1.26 through the copies below; 2-core AMD
-EPYC VM, torch 2.13, SmolLM2 in fp32, `bench/forward_cost.py --reorder on off`, 2026-12-05). oneDNN multiplies
-by a copy reordered once into its blocked layout: SmolLM2's 121 projections streamed at 4 rows took 29.6 ms
-instead of 40.8, at 8 rows 33.7 instead of 52.2, at a 300-token prefill 237 instead of 252; at one to three rows
-it is 15-22 % slower than MKL (26.8 against 21.9 ms at one row: `bench/cpu_gemm.py`, same VM and day), so those
-products keep MKL, and vanilla decoding, the speedups' baseline, is what it was.
+1-token step does. On a CPU it did not: a chain:3 verification cost 1.57 decoding steps through PyTorch's default
+fp32 GEMM (MKL), 1.26 through oneDNN's copy reordered once into its blocked layout (2-core AMD EPYC VM, torch 2.13,
+SmolLM2 in fp32, `bench/forward_cost.py --reorder on off`, 2026-12-05): SmolLM2's 121 projections streamed at 4
+rows took 29.6 ms instead of 40.8, at 8 rows 33.7 instead of 52.2, at a 300-token prefill 237 instead of 252
+(`bench/cpu_gemm.py`).
+
+Which product a row count takes is measured when the runtime starts, not fixed: the 2026-12-05 measurement put MKL
+ahead at one row (21.9 against 26.8 ms), so one-token steps, vanilla decoding, stayed on it. But MKL runs products
+of one to four rows on one core (`bench/cpu_gemm.py --threads-busy`: 1 of 2 threads busy), so its one-token step
+reads the weights with one core's bandwidth while a 4-row verification reads them with both; on 2026-12-06 (the
+same VM) one token cost 59.4 ms against 38.3 for four (`bench/forward_cost.py --reorder from4`): vanilla decoding,
+every speedup's baseline, ran slower than the runtime could, and speedups came out above τ. oneDNN's own 1-row
+kernel streams the copy more slowly than its 4-row one (32.3 against 31.1 ms a pass, `bench/cpu_gemm.py`), so a
+short product may instead run padded with zero rows to four, at the 4-row kernel's cost plus ~10 µs of padding.
+`choose_products` times each of the model's projections each way (PATHS) at 1, 2, 3 and 4 rows, once per process,
+weight shapes and thread count, and every weight shape takes its fastest at each row count (more rows: the 4-row
+choice): a one-token forward then cost 37.6 ms against 38.1 for four. One rule for the one-token step and for
+verification, whose paths include the 4-row product itself, so the step costs at most about what a 4-token
+forward does.
 
 The copy costs the weights' bytes once more (538 MB for SmolLM2 in fp32). It is made for fp32 CPU weights when
 PyTorch was built with oneDNN (`reorder=None`, the default; `HSTAP_CPU_REORDER=0` turns the default off, for
@@ -21,20 +33,36 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hstap.errors import HstapError
 
-REORDERED_FROM_ROWS = 4  # products of fewer rows run MKL (measured faster there, module docstring)
+REORDERED_FROM_ROWS = 4  # oneDNN's copy is laid out for this many rows (and padded products run at it)
+MEASURED_ROWS = (1, 2, 3, 4)  # row counts `choose_products` times; a product of more rows takes the last one's choice
+# a product's ways: F.linear (MKL), oneDNN's copy at the input's rows, or at REORDERED_FROM_ROWS rows (zero-padded)
+PATHS = ("mkl", "onednn", "padded")
+BEFORE_MEASURING = tuple("onednn" if m >= REORDERED_FROM_ROWS else "mkl" for m in MEASURED_ROWS)  # the 12-05 rule
 
 
 def _reordered(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of `weight` (N, K), laid out for products of four rows; any row count multiplies by
-    it. Laid out for one row instead, 2 to 8 rows ran 28-37 % slower (`bench/cpu_gemm.py --reorder-hint 1`,
-    2-core EPYC, 2026-12-05)."""
+    it. Laid out for one row instead, 2 to 8 rows ran 28-37 % slower and one row 15 % slower
+    (`bench/cpu_gemm.py --reorder-hint 1`, 2-core EPYC, 2026-12-05)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FROM_ROWS)
+
+
+@functools.cache
+def _zeros(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, width) zeros, made once and only ever read (padded products concatenate them below their input)."""
+    return torch.zeros(rows, width, dtype=dtype)
+
+
+def _zero_rows(rows: int, like: torch.Tensor) -> torch.Tensor:
+    return _zeros(rows, like.shape[-1], like.dtype)
 
 
 def _onednn_linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,21 +108,116 @@ def wants_reorder(weight: torch.Tensor, reorder: bool | None) -> bool:
 
 
 class Projection:
-    """x ↦ x·Wᵀ + b. `reordered`: oneDNN's copy of W, used for inputs of `REORDERED_FROM_ROWS` rows or more."""
+    """x ↦ x·Wᵀ + b. `reordered`: oneDNN's copy of W; `paths[i]`: the product (PATHS) a product of
+    MEASURED_ROWS[i] rows takes (the last entry: that many or more), as `choose_products` measured it
+    (BEFORE_MEASURING until then; without a copy every product is F.linear)."""
 
-    __slots__ = ("weight", "bias", "reordered")
+    __slots__ = ("bias", "paths", "reordered", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, reorder: bool | None = None):
         self.weight, self.bias = weight, bias
         self.reordered = _reordered(weight) if wants_reorder(weight, reorder) else None
+        self.paths = BEFORE_MEASURING
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., K) → (..., N)."""
-        if self.reordered is not None and x.numel() >= REORDERED_FROM_ROWS * x.shape[-1]:
-            return _onednn_linear(x, self.reordered, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        """(..., K) → (..., N), along the path measured fastest for its row count."""
+        return self.through(self.paths[min(x.numel() // x.shape[-1], len(self.paths)) - 1], x)
+
+    def through(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        """(..., K) → (..., N) along `path` (PATHS; F.linear where there is no copy)."""
+        if self.reordered is None or path == "mkl":
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1]
+        if path == "padded" and rows < REORDERED_FROM_ROWS:  # the 4-row kernel on zero rows too, dropped after
+            # one op: a fresh (4, K) tensor per call (F.pad's allocate, fill and copy cost ~2x more per projection)
+            block = torch.cat([x.reshape(rows, -1), _zero_rows(REORDERED_FROM_ROWS - rows, x)])  # (4, K)
+            return _onednn_linear(block, self.reordered, self.bias)[:rows].view(*x.shape[:-1], -1)  # (..., N)
+        return _onednn_linear(x, self.reordered, self.bias)
 
     @property
     def extra_bytes(self) -> int:
         """Bytes the reordered copy holds (0 without one)."""
         return 0 if self.reordered is None else self.reordered.numel() * self.reordered.element_size()
+
+
+Shape = tuple[int, int]  # a weight's (N, K)
+
+
+@dataclass(frozen=True)
+class ProductChoice:
+    """What `choose_products` measured, per weight shape: ms of its projections' products per path (PATHS) and row
+    count (MEASURED_ROWS), each projection's smallest of the rounds, summed (None: not a path at that row count:
+    "padded" from four rows on is "onednn"). Every shape takes its fastest path at each row count: padding pays
+    for the large weights, whose 1-row kernel streams slowly, and costs more than it saves on the small ones."""
+
+    threads: int
+    ms: dict[Shape, dict[str, tuple[float | None, ...]]]
+    count: dict[Shape, int]  # projections of each shape
+
+    def paths_for(self, shape: Shape) -> tuple[str, ...]:
+        """The path per row count of a weight of `shape` (one that was measured)."""
+        table = self.ms[shape]
+        return tuple(min((p for p in PATHS if table[p][i] is not None), key=lambda p: table[p][i])
+                     for i in range(len(MEASURED_ROWS)))
+
+    def describe(self) -> str:
+        """One line for a report: per row count, a pass's ms along the paths taken, how many projections take
+        each, and the ms had every projection taken one path."""
+        parts = []
+        for i, m in enumerate(MEASURED_ROWS):
+            taken = {p: sum(n for shape, n in self.count.items() if self.paths_for(shape)[i] == p) for p in PATHS}
+            chosen = sum(self.ms[shape][self.paths_for(shape)[i]][i] for shape in self.ms)
+            every = [f"{p} {sum(t[p][i] for t in self.ms.values()):.1f}" for p in PATHS
+                     if all(t[p][i] is not None for t in self.ms.values())]
+            parts.append(f"{m}{'+' if m == MEASURED_ROWS[-1] else ''} row{'s' if m > 1 else ''} {chosen:.1f} ms ("
+                         + ", ".join(f"{p} ×{n}" for p, n in taken.items() if n) + "; all through "
+                         + ", ".join(every) + ")")
+        return f"CPU fp32 products measured at {self.threads} threads, a pass over the projections: " + \
+            "; ".join(parts)
+
+
+_CHOICES: dict[tuple, ProductChoice] = {}  # (weight shapes, thread count) → what was measured
+
+
+@torch.inference_mode()
+def choose_products(projections: list[Projection], rounds: int = 2) -> ProductChoice | None:
+    """Time each of `projections` with random inputs of each of MEASURED_ROWS rows along every path (PATHS; each
+    projection's smallest of `rounds`, the paths in turn first: another process's load only adds time), and set
+    every projection's `paths` to the fastest for its weight's shape per row count. Measured once per process,
+    weight shapes and thread count (a pass over SmolLM2 is 25-120 ms: the choice takes ~1-2 s on a 2-core CPU);
+    None when no projection has a copy."""
+    copied = [p for p in projections if p.reordered is not None]
+    if not copied:
+        return None
+    key = (tuple(tuple(p.weight.shape) for p in copied), torch.get_num_threads())
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure(copied, rounds)
+    choice = _CHOICES[key]
+    for p in copied:
+        p.paths = choice.paths_for(tuple(p.weight.shape))
+    return choice
+
+
+def _measure(copied: list[Projection], rounds: int) -> ProductChoice:
+    """Each projection's smallest time over the rounds per path and row count, summed per weight shape (a burst of
+    another process's load spoils one projection's time in one round, not the pass)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [tuple(p.weight.shape) for p in copied]
+    ms: dict[Shape, dict[str, list[float | None]]] = {
+        shape: {path: [None] * len(MEASURED_ROWS) for path in PATHS} for shape in shapes}
+    for i, m in enumerate(MEASURED_ROWS):
+        xs = [torch.randn(m, p.weight.shape[1], generator=generator) for p in copied]  # (m, K) each
+        paths = [path for path in PATHS if path != "padded" or m < REORDERED_FROM_ROWS]
+        each = {path: [float("inf")] * len(copied) for path in paths}  # seconds per projection
+        for r in range(rounds):  # round 0 doubles as the warm-up (oneDNN makes its primitives): the smallest wins
+            for path in paths[r % len(paths):] + paths[: r % len(paths)]:  # each path first in turn
+                for k, (x, p) in enumerate(zip(xs, copied)):
+                    start = time.perf_counter()
+                    p.through(path, x)
+                    each[path][k] = min(each[path][k], time.perf_counter() - start)
+        for path in paths:
+            for shape, seconds in zip(shapes, each[path]):
+                ms[shape][path][i] = (ms[shape][path][i] or 0.0) + 1000 * seconds
+    count = {shape: shapes.count(shape) for shape in ms}
+    return ProductChoice(torch.get_num_threads(), {s: {p: tuple(t) for p, t in d.items()} for s, d in ms.items()},
+                         count)

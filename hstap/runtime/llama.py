@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from hstap.errors import HstapError
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
 from hstap.runtime.kv import KV_WRITES, KVCache
-from hstap.runtime.linear import Projection, wants_reorder
+from hstap.runtime.linear import ProductChoice, Projection, choose_products, wants_reorder
 
 T = TypeVar("T")
 
@@ -112,8 +112,8 @@ def gated_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
 class LeanLlama:
     """The target's forward over a static cache, from fused copies of its weights (made once). `mlp_form`:
     "chunk" or "batched" (`gated_mlp`); None picks the one measured faster on the weights' device. `kv_write`: the
-    caches' write form (`kv.KVCache`). `reorder`: whether the projections keep oneDNN's copy of their weights for
-    products of four rows or more (`hstap.runtime.linear`; None: for fp32 weights on a CPU)."""
+    caches' write form (`kv.KVCache`). `reorder`: whether the projections keep oneDNN's copy of their weights, used
+    at the row counts where it measures faster (`hstap.runtime.linear`; None: for fp32 weights on a CPU)."""
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, mlp_form: str | None = None, kv_write: str = "scatter",
@@ -147,12 +147,20 @@ class LeanLlama:
                     [self._fuse(layer, self.heads, self.kv_heads, self.mlp_form, reorder) for layer in inner.layers])
 
         self.lm_head, self.layers = fused_weights(model, (self.mlp_form, reorder), fuse)
+        # which product each row count takes, measured on these weights (linear.choose_products): the one-token
+        # step and the verification blocks by one rule
+        self.products: ProductChoice | None = choose_products(self.projections)
+
+    @property
+    def projections(self) -> list[Projection]:
+        """Every projection of a forward, in the order it runs them (the lm_head last)."""
+        layers = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p]
+        return [*layers, self.lm_head]
 
     @property
     def reordered_bytes(self) -> int:
         """Bytes of the projections' oneDNN copies (0 where there are none)."""
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p]
-        return sum(p.extra_bytes for p in [self.lm_head, *projections])
+        return sum(p.extra_bytes for p in self.projections)
 
     @staticmethod
     def _fuse(layer, heads: int, kv_heads: int, mlp_form: str, reorder: bool | None) -> _Layer:

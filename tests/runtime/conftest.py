@@ -66,6 +66,18 @@ def references(target, prompts, tmp_path_factory) -> list[list[int]]:
                        lambda: [greedy_reference(target.model, p, MAX_NEW, set(target.stop_ids)) for p in prompts])
 
 
+def assert_greedy_identity(runtime, prompt: list[int], reference: list[int], tokens: list[int], what: str) -> None:
+    """`tokens` is the greedy `reference` answer, or leaves it only where rounding explains it: the first differing
+    token's two candidates are the target's top two, within the dtype's rounding of each other
+    (hstap.evaluate.divergence). A wider margin is a bug in `what`, and fails."""
+    from hstap.evaluate.divergence import first_divergence
+
+    div = first_divergence(runtime, "", prompt, reference, tokens)
+    assert div is None or div.within_rounding, (
+        f"{what} left the reference at token {div.position}: {div.shape_token} for {div.vanilla_token}, a margin of "
+        f"{div.margin_ulps:.3g} rounding steps{'' if div.top_two else ' (not the top two)'}, not rounding")
+
+
 def fake_slot(start: list[int], write_at: list[int], length: int = 64) -> SimpleNamespace:
     """What the drafting functions read of a `Slot`, for drafter-only tests."""
     start_t, write_t = torch.tensor(start), torch.tensor(write_at)

@@ -1,5 +1,6 @@
 """The runtime on CUDA (skipped without a GPU): captured graphs give the same greedy tokens as plain decoding in
-fp32 — vanilla, n-gram, chain and tree, batch 1 and a batch of rows that accept different counts — and bf16 runs.
+fp32 — vanilla, n-gram, chain and tree, batch 1 and a batch of rows that accept different counts — and in bf16
+the same tokens up to flips at ties within bf16's rounding.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hstap.runtime.decode import Request, decode
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder
 from hstap.runtime.target import Runtime
-from tests.runtime.conftest import MAX_NEW, greedy_reference
+from tests.runtime.conftest import MAX_NEW, assert_greedy_identity, greedy_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -79,9 +80,10 @@ def test_oracle_trees_commit_on_cuda_without_graphs(cuda_models, prompts, target
     assert [r.tokens for r in rows] == cuda_references and max(a for r in rows for a in r.accepted) >= 3
 
 
-def test_bf16_graphs_run_and_mostly_agree(cuda_models, prompts, target):
-    """bf16: verifying several tokens at once rounds differently from one at a time, so a near tie may flip;
-    the first tokens must still agree and every row must finish."""
+def test_bf16_graphs_agree_up_to_rounding(cuda_models, prompts, target):
+    """bf16: verifying several tokens at once rounds differently from one at a time, so a near tie may flip. Where
+    an answer leaves plain decoding's, the two tokens must be the target's top two within bf16's rounding there
+    (hstap.evaluate.divergence); a wider margin is a bug. Every row must finish."""
     model, drafter = (copy.deepcopy(m).to(torch.bfloat16) for m in cuda_models)
     rt = Runtime(model, batch_size=4, max_len=2048, cuda_graphs=True)
     with torch.inference_mode():
@@ -89,7 +91,9 @@ def test_bf16_graphs_run_and_mostly_agree(cuda_models, prompts, target):
     for shape in ["chain:3", "tree:8,8,60"]:
         rows = SpecDecoder(rt, DraftShape.parse(shape), drafter).generate(prompts, MAX_NEW, set(target.stop_ids), 0)
         assert all(r.done for r in rows)
-        assert all(r.tokens[:4] == g.tokens[:4] for r, g in zip(rows, plain))
+        for prompt, row, g in zip(prompts, rows, plain):
+            answer = g.tokens + ([g.stop_token] if g.stop_token is not None else [])
+            assert_greedy_identity(rt, prompt, answer, row.tokens, f"{shape} in bf16")
 
 
 def test_continuous_batching_on_cuda_graphs_equals_plain_decoding_in_fp32(cuda_models, prompts, target,

@@ -1,6 +1,7 @@
 """Speculative decoding on the runtime: greedy output equals plain greedy decoding token for token on the real
 SmolLM2 (untrained drafter, n-gram, and oracle drafts that are accepted for long paths, in batches whose rows
-accept different counts), and sampled output keeps the target's distribution exactly on a tiny model."""
+accept different counts; with real drafting, a flip at a tie within fp32 rounding is allowed and a wider margin
+fails), and sampled output keeps the target's distribution exactly on a tiny model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder, extend_tokens
 from hstap.runtime.target import Runtime
 from tests.evaluate.tiny import exact_joint, tiny_drafter, tiny_target
-from tests.runtime.conftest import MAX_NEW
+from tests.runtime.conftest import MAX_NEW, assert_greedy_identity
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,8 @@ def test_greedy_equals_plain_decoding(runtime, target, drafter, prompts, referen
     """Real drafting (nearly always rejected by the untrained drafter), two rows of different lengths; the
     oracle test below runs all four through the same loop with long acceptances."""
     rows = _generate(runtime, drafter, target, prompts[:2], shape, max_new=10)
-    for row, ref in zip(rows, references):
-        assert row.tokens == ref[:10], f"{shape} diverged from greedy decoding"
+    for prompt, row, ref in zip(prompts, rows, references):
+        assert_greedy_identity(runtime, prompt, ref[:10], row.tokens, shape)  # equal, or a flip within rounding
         assert len(row.accepted) == len(row.emitted) and sum(row.emitted) == 9
 
 

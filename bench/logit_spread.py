@@ -1,0 +1,89 @@
+"""How far two computations of the target's logits at the same positions drift apart, in rounding steps of the
+dtype: the scale `hstap.evaluate.divergence.WITHIN_ROUNDING_ULPS` calls rounding.
+
+    python bench/logit_spread.py [--dtype fp32 bf16] [--device cpu|cuda] [--prompts 8] [--tokens 48]
+
+For each MT-bench first turn the runtime decodes greedily one token per forward (vanilla decoding's path) and
+keeps every step's logits; then each position's logits are computed again by a prefill of the prompt and the
+answer so far (many rows per product, other kernels). At every position: the change of the top logit and of the
+top-2 gap between the two computations, in rounding steps (`rounding_step`) at the top logit's magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+import torch
+
+from hstap.config import torch_dtype
+from hstap.data import load_mtbench, render_prompt
+from hstap.evaluate.divergence import rounding_step
+from hstap.models import load_target
+from hstap.runtime.decode import Request, decode
+from hstap.runtime.target import Runtime
+
+
+class Recorder:
+    """A stepper over the runtime that keeps a copy of every logits row it returns."""
+
+    def __init__(self, runtime: Runtime):
+        self.rt, self.logits = runtime, []
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        out = self.rt.prefill(ids, mask, max_new_tokens)  # (1, V)
+        self.logits.append(out[0].clone())
+        return out
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.rt.step(tokens)  # (1, V)
+        self.logits.append(out[0].clone())
+        return out
+
+
+def spreads(model, prompt: list[int], tokens: int, dtype: torch.dtype) -> list[tuple[float, float]]:
+    """(|Δ top logit|, |Δ top-2 gap|) in rounding steps at every position of one greedy answer."""
+    rt = Runtime(model, 1, len(prompt) + tokens + 1)
+    rec = Recorder(rt)
+    answer = decode(rec, [Request(prompt, tokens)], 0, [], model.device)[0].tokens
+    out = []
+    for i, stepped in enumerate(rec.logits[: len(answer)]):
+        ids = torch.tensor([prompt + answer[:i]], device=model.device)
+        again = rt.prefill(ids, torch.ones_like(ids), 1)[0]  # (V,) the same position, computed by a prefill
+        first, second = stepped.topk(2).indices.tolist()
+        unit = rounding_step(float(stepped[first]), dtype)
+        gap = (stepped[first] - stepped[second]) - (again[first] - again[second])
+        out.append((abs(float(stepped[first] - again[first])) / unit, abs(float(gap)) / unit))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=48)
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    print(f"date {datetime.date.today()}, device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"command: python {' '.join(sys.argv)}\n")
+    print("| dtype | positions | Δ top logit: median / p90 / max | Δ top-2 gap: median / p90 / max |")
+    print("|---|---:|---:|---:|")
+    for name in args.dtype:
+        dtype = torch_dtype(name)
+        target = load_target("smollm2", device=args.device, dtype=dtype)
+        rows = []
+        with torch.inference_mode():
+            for q in load_mtbench()[: args.prompts]:
+                rows += spreads(target.model, render_prompt(q.messages[:1], target.tokenizer), args.tokens, dtype)
+        cells = []
+        for k in range(2):
+            values = sorted(r[k] for r in rows)
+            cells.append(" / ".join(f"{values[int(f * (len(values) - 1))]:.0f}" for f in (0.5, 0.9, 1.0)))
+        print(f"| {name} | {len(rows)} | {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
