@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -191,11 +192,53 @@ def choose_products(projections: list[Projection], rounds: int = 2) -> ProductCh
         return None
     key = (tuple(tuple(p.weight.shape) for p in copied), torch.get_num_threads())
     if key not in _CHOICES:
-        _CHOICES[key] = _measure(copied, rounds)
+        _CHOICES[key] = _remembered(key, lambda: _measure(copied, rounds))
     choice = _CHOICES[key]
     for p in copied:
         p.paths = choice.paths_for(tuple(p.weight.shape))
     return choice
+
+
+def _remembered(key: tuple, measure) -> ProductChoice:
+    """`measure()`'s choice, kept on disk for this machine until it reboots: every process that builds a runtime
+    (each `hstap eval`, synth, serve) would otherwise spend ~1-2 s measuring the same thing. The file is named by the
+    weight shapes, thread count, torch version, CPU model and boot id (the relation between the paths changed on
+    one VM from one day to the next); an unreadable file is measured again."""
+    import hashlib
+    import json
+
+    from hstap.models.target import cache_root
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return ""
+
+    cpu = next((line for line in read("/proc/cpuinfo").splitlines() if line.startswith("model name")), "")
+    name = hashlib.sha256(repr((key, torch.__version__, cpu, read("/proc/sys/kernel/random/boot_id"))).encode())
+    file = cache_root() / "products" / f"{name.hexdigest()[:16]}.json"
+    try:
+        raw = json.loads(file.read_text())
+        return ProductChoice(raw["threads"], {_shape(s): {p: tuple(t) for p, t in d.items()} for s, d in
+                                              raw["ms"].items()}, {_shape(s): n for s, n in raw["count"].items()})
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    choice = measure()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"threads": choice.threads, "ms": {f"{n}x{k}": d for (n, k), d in choice.ms.items()},
+                                   "count": {f"{n}x{k}": c for (n, k), c in choice.count.items()}}))
+        tmp.replace(file)  # whole or absent for a process reading it at the same time
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return choice
+
+
+def _shape(text: str) -> Shape:
+    n, k = text.split("x")
+    return int(n), int(k)
 
 
 def _measure(copied: list[Projection], rounds: int) -> ProductChoice:

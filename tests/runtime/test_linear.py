@@ -54,6 +54,12 @@ def test_every_path_is_exact_to_fp32(path, rows):
     assert ("mkldnn::_linear_pointwise" in ops_run(lambda: proj.through(path, x))) == (path != "mkl")
 
 
+@pytest.fixture(autouse=True)
+def own_product_cache(tmp_path, monkeypatch):
+    """Each test measures (or fakes a measurement) for itself: the machine's remembered choice stays out."""
+    monkeypatch.setenv("HSTAP_CACHE", str(tmp_path / "cache"))
+
+
 def measured(threads: int, per_shape: dict) -> ProductChoice:
     """A ProductChoice of given times: {weight shape: (mkl, onednn, padded) ms per row count}, one projection each."""
     return ProductChoice(threads, {shape: dict(zip(PATHS, times)) for shape, times in per_shape.items()},
@@ -184,6 +190,7 @@ def test_one_token_steps_take_the_product_measured_for_one_row(target, monkeypat
             times = measured(torch.get_num_threads(), dict.fromkeys(shapes, row_times))
             monkeypatch.setattr(linear, "_CHOICES", {})
             monkeypatch.setattr(linear, "_measure", lambda copied, rounds, times=times: times)
+            monkeypatch.setattr(linear, "_remembered", lambda key, measure: measure())  # not this machine's file
             rt = Runtime(target.model, batch_size=1, max_len=64, reorder=True)
             rt.prefill(prompt, torch.ones_like(prompt), 4)
             step = ops_run(lambda rt=rt: rt.step(torch.tensor([42])))
@@ -195,3 +202,25 @@ def test_one_token_steps_take_the_product_measured_for_one_row(target, monkeypat
     finally:
         monkeypatch.undo()
         LeanLlama(target.model, reorder=True)  # the shared weights follow this process's real measurement again
+
+
+def test_the_measured_choice_is_kept_on_disk_until_the_machine_reboots(tmp_path, monkeypatch):
+    """Every process building a runtime would measure again (~1-2 s each): the choice is read back from the cache
+    dir, under a name that holds the shapes, threads, torch, CPU model and boot id; a damaged file is measured
+    again and rewritten."""
+    monkeypatch.setenv("HSTAP_CACHE", str(tmp_path))
+    times = measured(2, {(576, 576): ((1.0, 2.0, 3.0, 4.0), (5.0,) * 4, (6.0,) * 3 + (None,))})
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return times
+
+    key = (((576, 576),), 2)
+    first = linear._remembered(key, measure)
+    again = linear._remembered(key, measure)
+    assert calls == [1] and again == first == times
+    (file,) = (tmp_path / "products").iterdir()
+    file.write_text("{not json")
+    assert linear._remembered(key, measure) == times and calls == [1, 1]
+    assert linear._remembered((((576, 576),), 1), measure) == times and calls == [1, 1, 1]  # another thread count
