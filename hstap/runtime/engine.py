@@ -340,7 +340,7 @@ class Engine:
     def _speculate(self, requests: list[Request], generator: torch.Generator | None,
                    jobs: list[_Job] | None = None) -> list[Generation]:
         """One batch through the speculative decoder, cut per row at its own max_new_tokens and first stop."""
-        stops = set(self.stop_ids)
+        stops = self._stops
         self._listening = jobs
         try:
             rows = self.spec.generate([r.prompt for r in requests], max(r.max_new_tokens for r in requests), stops,
