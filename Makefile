@@ -21,7 +21,7 @@ UV_PIP := $(UV) pip install -q -p $(BIN)/python
 # own torch and transformers); the live-engine tests start them with `hstap serve --engine-python`.
 ENGINE_STAMPS := .venv-vllm/.installed .venv-sglang/.installed
 
-.PHONY: install engines demo test clean
+.PHONY: install engines demo test lab-test clean
 
 $(UV):
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,11 @@ test:
 	$(MAKE) -j3 $(SGLANG_RESOLVE) engines  # the three environments install side by side
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests  # one worker per core; a file's tests stay
 	# together; files go out in the order tests/conftest.py gives them (slowest first), not by their number of tests
+
+# The team's lab (lab/README.md): its session scripts' and bench helpers' own tests, never part of `make test`.
+# Runs in the .venv `make install` (or `make test`) built.
+lab-test:
+	$(BIN)/python -m pytest -q -n 0 -p no:cacheprovider lab/tests
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-sglang .hstap-cache

@@ -10,9 +10,9 @@ leave many half-empty steps (the GPU recipe of 2026-12-02 trained on 44 % full b
 
 from __future__ import annotations
 
-import argparse
 import json
 
+import harness
 from hstap.train.data import BUCKET, plan_batches
 
 
@@ -37,20 +37,23 @@ def fill(lengths: list[int], batch_tokens: int, bucket: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None)
     ap.add_argument("synth", help="a synth JSONL (prompt_tokens and completion_tokens per line)")
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--buckets", type=int, nargs="+", default=[64, 256, BUCKET, 4096])
     args = ap.parse_args()
+    run = harness.start(args)
     lengths = lengths_of(args.synth, args.max_tokens)
     print(f"{len(lengths)} samples, mean {sum(lengths) / len(lengths):.0f} tokens, batches of {args.batch_tokens}")
     print("| window (samples) | batches | real tokens/batch | padded tokens/batch | real/budget | real/padded |")
     print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for bucket in args.buckets:
-        r = fill(lengths, args.batch_tokens, bucket)
+        rows.append(r := fill(lengths, args.batch_tokens, bucket))
         print(f"| {bucket}{' (default)' if bucket == BUCKET else ''} | {r['batches']} | {r['real_per_batch']:,.0f} | "
               f"{r['padded_per_batch']:,.0f} | {r['of_budget']:.0%} | {r['real_of_padded']:.0%} |")
+    run.finish({"samples": len(lengths), "mean_tokens": sum(lengths) / len(lengths), "windows": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Prefill throughput with and without the tap, side by side in one run, on the CPU.
 
-    .venv/bin/python bench/capture_cpu.py [--samples 64] [--batch-tokens 4096] [--reps 3] [--threads N]
+    .venv/bin/python bench/capture_cpu.py [--samples 64] [--batch-tokens 4096] [--repeat 3] [--threads N]
 
 Runs real ShareGPT conversations through SmolLM2 (fp32) in identical padded batches, alternating plain prefill
 and tapped prefill (3 layers + top-32 teacher, bf16 storage, writer thread handing samples to a sink that keeps
@@ -9,13 +9,12 @@ them in memory, so disk speed is not measured here). Prints tokens/s of each and
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+import harness
 from hstap.capture.hf import hf_taps
 from hstap.capture.run import _to_model_inputs, make_batches
 from hstap.capture.tap import Tap
@@ -26,15 +25,15 @@ from hstap.models import load_target
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None, repeat=3)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    run = harness.start(args)
 
     target = load_target("smollm2")
     samples = render_all("sharegpt", target.tokenizer, SkipReport(), max_tokens=args.max_tokens, limit=args.samples)
@@ -66,17 +65,18 @@ def main() -> None:
 
     plain()  # warm-up
     times: dict[str, list[float]] = {"plain": [], "tapped": []}
-    for _ in range(args.reps):
+    for _ in range(args.repeat):
         times["plain"].append(plain())
         times["tapped"].append(tapped())
     rate = {k: tokens_per_second(tokens, statistics.median(v)) for k, v in times.items()}
-    print(f"hardware: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
     print(f"{len(samples)} ShareGPT samples, {tokens} tokens, {len(batches)} batches of <= {args.batch_tokens} "
-          f"padded tokens, median of {args.reps}")
+          f"padded tokens, median of {args.repeat}")
     for k, v in rate.items():
         print(f"{k:>7}: {v:8.0f} tok/s")
-    print(f"tap overhead: {100 * (1 - rate['tapped'] / rate['plain']):.1f}%")
+    overhead = 1 - rate["tapped"] / rate["plain"]
+    print(f"tap overhead: {100 * overhead:.1f}%")
+    run.finish({"samples": len(samples), "tokens": tokens, "batches": len(batches), "tokens_per_s": rate,
+                "tap_overhead": overhead})
 
 
 if __name__ == "__main__":

@@ -16,16 +16,14 @@ bare `topk` over the whole row (what its block candidates avoid), and prints the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import os
-import platform
 import statistics
 import time
 
 import torch
 
+import harness
 from hstap.capture.hf import hf_taps
 from hstap.capture.tap import Batch, Tap
 from hstap.capture.teacher import topk_logprobs
@@ -71,16 +69,15 @@ def teacher_reduction_ms(logits: torch.Tensor, k: int, reps: int) -> dict[str, f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = harness.parser(__doc__, repeat=8, warmup=2)
     ap.add_argument("--shape", default="8b", choices=["8b", "smollm2"])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--teacher", action="append", default=None,
                     help="hidden or topk:K; repeat for several (default: hidden and topk:32)")
     ap.add_argument("--model", default=None, help="a checkpoint dir instead of --shape (tensor parallel under torchrun)")
     args = ap.parse_args()
+    run = harness.start(args)
 
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.device.startswith("cuda"):
@@ -113,16 +110,16 @@ def main() -> None:
     taps = {str(t): Tap({f"hidden.{k}" for k in layers} | {"teacher"}, teacher=t, hidden_size=model.config.hidden_size,
                         sink=lambda sid, tensors: kept.__setitem__(0, kept[0] + 1)) for t in teachers}
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in taps}}
-    for r in range(args.reps + 2):
+    for r in range(args.repeat + args.warmup):
         dt = prefill(None)
-        if r >= 2:  # warm-up excluded
+        if r >= args.warmup:  # warm-up excluded
             times["plain"].append(dt)
         for teacher, (name, tap) in zip(teachers, taps.items()):
             # under tensor parallelism only rank 0 taps, as `hstap capture` does
             hooks = hf_taps(model, tap, layers, teacher.kind) if rank == 0 else contextlib.nullcontext()
             with hooks:
                 dt = prefill(tap if rank == 0 else None)
-            if r >= 2:
+            if r >= args.warmup:
                 times[name].append(dt)
             tap.wait_capacity()
     reports = [tap.close() for tap in taps.values()]
@@ -130,24 +127,30 @@ def main() -> None:
         return
     for report in reports:
         assert report.errors == 0, report.summary()
-    assert kept[0] == (args.reps + 2) * b * len(taps), f"{kept[0]} samples handed off"
+    assert kept[0] == (args.repeat + args.warmup) * b * len(taps), f"{kept[0]} samples handed off"
     rate = {k: b * s / statistics.median(v) for k, v in times.items()}
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    numbers = print_rates(args, rate, layers, list(taps))
+    numbers["teacher_reduction"] = {str(t): compare_reductions(model, b * s, t.k, args.device, args.repeat)
+                                    for t in teachers if t.kind == "topk"}
+    run.finish(numbers)
+
+
+def print_rates(args, rate: dict[str, float], layers: list[int], teachers: list[str]) -> dict:
+    """Print tokens/s of plain and tapped prefill and each teacher's overhead; return them."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    print(f"date {datetime.date.today()}, device {world} x {dev}, torch {torch.__version__}, "
-          f"{'model ' + args.model if args.model else 'shape ' + args.shape}, "
-          f"batch {b}x{s}, layers {layers}, teachers {', '.join(taps)}, median of {args.reps}")
+    print(f"{world} process(es), {'model ' + args.model if args.model else 'shape ' + args.shape}, "
+          f"batch {args.batch}x{args.seq}, layers {layers}, teachers {', '.join(teachers)}, median of {args.repeat}")
     for k, v in rate.items():
         print(f"{k:>8}: {v:10.0f} tok/s")
-    for name in taps:
-        print(f"tap overhead, teacher {name}: {100 * (1 - rate[name] / rate['plain']):.1f}%")
-    for teacher in teachers:
-        if teacher.kind == "topk":
-            compare_reductions(model, b * s, teacher.k, args.device, args.reps)
+    overhead = {name: 1 - rate[name] / rate["plain"] for name in teachers}
+    for name in teachers:
+        print(f"tap overhead, teacher {name}: {100 * overhead[name]:.1f}%")
+    return {"world_size": world, "layers": layers, "tokens_per_s": rate, "tap_overhead": overhead}
 
 
-def compare_reductions(model, rows: int, k: int, device: str, reps: int) -> None:
-    """The top-k teacher's reduction alone, old and new, on logits shaped as one prefill's."""
+def compare_reductions(model, rows: int, k: int, device: str, reps: int) -> dict:
+    """The top-k teacher's reduction alone, old and new, on logits shaped as one prefill's: ms per way and the
+    largest difference of values."""
     gen = torch.Generator(device=device).manual_seed(1)
     vocab = model.config.vocab_size
     logits = (4 * torch.randn(rows, vocab, device=device, generator=gen)).to(model.dtype)  # (T, V)
@@ -157,6 +160,7 @@ def compare_reductions(model, rows: int, k: int, device: str, reps: int) -> None
     print(f"top-{k} teacher reduction of {rows} x {vocab} {str(model.dtype).removeprefix('torch.')} logits: "
           + ", ".join(f"{name} {v:.2f} ms" for name, v in ms.items())
           + f"; largest |difference| {float((values - ref).abs().max()):.2e}")
+    return {"ms": ms, "largest_difference": float((values - ref).abs().max())}
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ the mean and 90th-percentile time from submission to answer; one untimed warm-up
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 import time
 from concurrent.futures import Future
 
 import torch
 
+import harness
 from hstap.data import open_source, render_prompt
 from hstap.metrics import tokens_per_second
 from hstap.models import load_target
@@ -61,8 +60,7 @@ def run(engine: Engine, requests: list[Request]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    ap = harness.parser(__doc__, device="cpu")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on a CPU")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64)
@@ -70,15 +68,15 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt kept, in tokens")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
     args = ap.parse_args()
+    bench_run = harness.start(args)
     dtype = {None: None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     target = load_target("smollm2", device=args.device, dtype=dtype)
     ps = prompts(target.tokenizer, args.prompts, args.max_prompt)
-    hardware = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    print(f"date {datetime.date.today()}, {hardware}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{len(ps)} ShareGPT first turns (≤ {args.max_prompt} tokens), batch {args.batch}, ≤ {args.new} new tokens",
-          flush=True)
+    print(f"{len(ps)} ShareGPT first turns (≤ {args.max_prompt} tokens), batch {args.batch}, "
+          f"≤ {args.new} new tokens", flush=True)
     engines = {"static": Engine(target, max_batch=args.batch, continuous=False),
                "continuous": Engine(target, max_batch=args.batch, continuous=True)}
+    numbers = []
     try:
         for engine in engines.values():  # warm-up: graphs captured, kernels chosen
             engine.generate([Request(p, 8) for p in ps[:args.batch]])
@@ -87,17 +85,21 @@ def main() -> None:
         for temperature in args.temperature:
             requests = [Request(p, args.new, temperature=temperature, seed=k) for k, p in enumerate(ps)]
             results = {mode: run(engine, requests) for mode, engine in engines.items()}
+            same = None
             if temperature == 0:
                 same = sum(a == b for a, b in zip(results["static"]["answers"], results["continuous"]["answers"]))
                 print(f"(greedy: {same}/{len(ps)} answers identical in both modes)", flush=True)
             for mode, r in results.items():
                 speedup = r["tok_s"] / results["static"]["tok_s"]
+                numbers.append({"temperature": temperature, "mode": mode, "speedup": speedup, "identical": same,
+                                **{k: v for k, v in r.items() if k != "answers"}})
                 print(f"| {temperature:g} | {mode} | {r['seconds']:.1f} | {r['answers_per_s']:.2f} | {r['tok_s']:.0f} "
                       f"| {r['stopped']}/{len(ps)} | {r['mean_wait']:.1f} | {r['p90_wait']:.1f} | {speedup:.2f}× |",
                       flush=True)
     finally:
         for engine in engines.values():
             engine.close()
+    bench_run.finish({"prompts": len(ps), "rows": numbers})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ packed weights (`_mkl_linear`, one pack per row count). The weights have SmolLM2
 gate/up, down per layer, then the lm_head), are random and distinct, so each pass streams them from memory as a
 decoding forward does.
 
-    python bench/cpu_gemm.py [--rows 1 2 3 4 5 8 16 61 300] [--reps 11] [--no-mkl-packed] [--reorder-hint 4]
+    python bench/cpu_gemm.py [--rows 1 2 3 4 5 8 16 61 300] [--repeat 11] [--no-mkl-packed] [--reorder-hint 4]
                              [--threads-busy]
 
 Median ms of one pass over all projections, per row count; the arms alternate in one process. `--reorder-hint`:
@@ -16,17 +16,14 @@ the machine's thread count; run it with OMP_WAIT_POLICY=PASSIVE, or idle OpenMP 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+import harness
 from hstap.runtime.linear import REORDERED_FROM_ROWS
 
 
@@ -68,43 +65,46 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None, repeat=11)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 61, 300])
-    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--no-mkl-packed", action="store_true", help="skip MKL's packed arm (3.7x the weights' bytes)")
     ap.add_argument("--reorder-hint", type=int, default=REORDERED_FROM_ROWS)
     ap.add_argument("--threads-busy", action="store_true", help="also how many threads each arm's products ran on")
     args = ap.parse_args()
+    run = harness.start(args)
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=generator) for out, inp in smollm2_shapes()]
     mkldnn = torch.ops.mkldnn
     reordered = [mkldnn._reorder_linear_weight(w, args.reorder_hint) for w in weights]
     mb = sum(w.numel() * 4 for w in weights) / 1e6
-    print(f"date {datetime.date.today()}, {platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, fp32, {len(weights)} projections, {mb:.0f} MB of weights, oneDNN's copy "
+    print(f"fp32, {len(weights)} projections, {mb:.0f} MB of weights, oneDNN's copy "
           f"laid out for {args.reorder_hint} rows")
-    print(f"command: python {' '.join(sys.argv)}")
     arms = ["F.linear (MKL)", "oneDNN, reordered once"] + ([] if args.no_mkl_packed else ["MKL packed per row count"])
     print(f"\n| rows | {' | '.join(arms)} |\n|---:|" + "---:|" * len(arms))
-    packed_mb = {}
+    packed_mb, table = {}, []
     with torch.inference_mode():
         for m in args.rows:
             xs = [torch.randn(m, w.shape[1], generator=generator) for w in weights]
             arms_fn = [lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights)],
                        lambda xs=xs: [mkldnn._linear_pointwise(x, r, None, "none", [], "") for x, r in zip(xs, reordered)]]
-            row = [median_ms(fn, args.reps) for fn in arms_fn]
+            row = [median_ms(fn, args.repeat) for fn in arms_fn]
             if not args.no_mkl_packed:  # its pack is used only at exactly the row count it was made for
                 packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
                 packed_mb[m] = sum(p.numel() * p.element_size() for p in packed) / 1e6
                 row.append(median_ms(lambda xs=xs, packed=packed, m=m: [torch.ops.mkl._mkl_linear(x, p, w, None, m)
-                                         for x, p, w in zip(xs, packed, weights)], args.reps))
+                                         for x, p, w in zip(xs, packed, weights)], args.repeat))
                 del packed
             cells = [f"{ms:.1f}" for ms in row]
+            entry = {"rows": m, "ms": dict(zip(arms, row))}
             if args.threads_busy:  # the F.linear and oneDNN arms only
-                cells[:2] = [f"{c} ({threads_busy(fn, args.reps)})" for c, fn in zip(cells, arms_fn)]
+                busy = [threads_busy(fn, args.repeat) for fn in arms_fn]
+                cells[:2] = [f"{c} ({b})" for c, b in zip(cells, busy)]
+                entry["threads_busy"] = dict(zip(arms, busy))
+            table.append(entry)
             print(f"| {m} | " + " | ".join(cells) + " |")
     if packed_mb:
         print("\nMKL's packs, MB per row count: " + ", ".join(f"{m}: {v:.0f}" for m, v in packed_mb.items()))
+    run.finish({"weights_mb": mb, "by_rows": table, "mkl_pack_mb": packed_mb})
 
 
 if __name__ == "__main__":

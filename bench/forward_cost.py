@@ -8,7 +8,7 @@ lean forward, CUDA graphs on a GPU), batch 1, with a real prompt length in the c
 A target forward of Q tokens is what verifying a draft of Q-1 nodes costs; drafting is timed on its own (an
 untrained drafter of the target's shape: the cost does not depend on the weights). Break-even τ = (drafting +
 verification of the shape's block) / one decode step: a method speeds decoding up only when its τ is above it.
-Median of `--reps` after warm-up, every forward and drafting taking turns in each rep; random token ids; the
+Median of `--repeat` after `--warmup` rounds, every forward and drafting taking turns in each rep; random token ids; the
 cache state is left as it was after every timed call.
 On a CPU the arms run side by side: `--reorder` on (oneDNN's copies where `hstap.runtime.linear.choose_products`
 measures them faster: the runtime's default), from4 (the copies from four rows on only, the rule before
@@ -17,16 +17,13 @@ measures them faster: the runtime's default), from4 (the copies from four rows o
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 
+import harness
 from hstap.drafter import DrafterConfig, Eagle3Drafter
 from hstap.models import load_target
 from hstap.runtime.linear import BEFORE_MEASURING
@@ -35,18 +32,18 @@ from hstap.runtime.spec import SpecDecoder
 from hstap.runtime.target import Runtime
 
 
-def timed(fns: dict, reps: int, sync) -> dict:
-    """Median milliseconds of each of `fns` over `reps` rounds after two warm-up rounds, the calls taking turns
+def timed(fns: dict, reps: int, warmup: int, sync) -> dict:
+    """Median milliseconds of each of `fns` over `reps` rounds after `warmup` rounds, the calls taking turns
     within each round: load that comes and goes on a shared machine falls on every one alike, so their ratios
     (break-even τ, a one-token against a four-token forward) hold where the milliseconds drift."""
     times: dict = {key: [] for key in fns}
-    for rep in range(reps + 2):
+    for rep in range(reps + warmup):
         for key, fn in fns.items():
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            if rep >= 2:
+            if rep >= warmup:
                 times[key].append(time.perf_counter() - t0)
     return {key: 1000 * statistics.median(t) for key, t in times.items()}
 
@@ -86,19 +83,17 @@ def measure(model, drafter, shapes: list[DraftShape], args, sync, rule: str,
                 st.pend_count.fill_(shape.depth + 1)  # drafting after a fully accepted draft
             calls["draft", shape.spec] = rt.graph(("draft", dec.tag), lambda dec=dec, st=st: dec._draft(st, slot),
                                                   dec._saved(st, slot))
-        ms = timed(calls, args.reps, sync)
+        ms = timed(calls, args.repeat, args.warmup, sync)
     forward_ms = {n: t for (kind, n), t in ms.items() if kind == "forward"}
     drafting_ms = {spec: t for (kind, spec), t in ms.items() if kind == "draft"}
     return forward_ms, drafting_ms, what
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = harness.parser(__doc__, repeat=10, warmup=2)
     ap.add_argument("--prompt", type=int, default=300, help="tokens already in the KV cache")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 61])
     ap.add_argument("--shapes", nargs="+", default=["ngram:3", "chain:3", "tree:8,8,60"])
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--reorder", nargs="+", choices=["on", "from4", "off"], default=["on"],
                     help="arms side by side: the CPU projections with oneDNN's reordered weights where measured "
                          "faster (the default, hstap.runtime.linear), from four rows on only (the rule before "
@@ -108,6 +103,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="the arms alternate this many times; each figure is "
                     "the smallest of its rounds' medians (other load on a shared machine only adds time)")
     args = ap.parse_args()
+    run = harness.start(args)
     torch.manual_seed(0)
     model = load_target("smollm2", device=args.device).model
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -124,11 +120,12 @@ def main() -> None:
                 forward_ms = {n: min(ms, arms[arm][0][n]) for n, ms in forward_ms.items()}
                 drafting_ms = {k: min(ms, arms[arm][1][k]) for k, ms in drafting_ms.items()}
             arms[arm] = forward_ms, drafting_ms, what
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"date {datetime.date.today()}, device {dev}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"dtype {model.dtype}, CUDA graphs {args.device.startswith('cuda')}")
-    print(f"command: python {' '.join(sys.argv)}")
+    print(f"dtype {model.dtype}, CUDA graphs {args.device.startswith('cuda')}")
+    numbers = []
     for (rule, threads), (forward_ms, drafting_ms, what) in arms.items():
+        numbers.append({"reorder": rule, "threads": threads, "projections": what, "forward_ms": forward_ms,
+                        "drafting_ms": drafting_ms, "break_even_tau": {
+                            s.spec: (drafting_ms[s.spec] + forward_ms[s.nodes + 1]) / forward_ms[1] for s in shapes}})
         print(f"\n## reorder {rule}, {threads} threads: {what}\n")
         print("| tokens in the forward | ms | × one token |\n|---:|---:|---:|")
         for n in args.tokens:
@@ -141,6 +138,7 @@ def main() -> None:
         cheapest = min(forward_ms, key=forward_ms.get)
         print(f"\nthe cheapest forward: {cheapest} token{'s' if cheapest > 1 else ''}, "
               f"{forward_ms[cheapest] / forward_ms[1]:.2f} × one token")
+    run.finish(numbers)
 
 
 if __name__ == "__main__":

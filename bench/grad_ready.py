@@ -14,11 +14,11 @@ CPU's; the order is the model's.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+import harness
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
 from hstap.train import shared
 from hstap.train.ttt import TTTModel, autocast, batch_tensors
@@ -52,15 +52,16 @@ def ready_fractions(model: TTTModel, params: dict[str, torch.nn.Parameter], batc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    ap = harness.parser(__doc__, device="cpu")
     ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--wgrad", nargs="+", default=["gemm", "autograd"], choices=["gemm", "autograd"])
     args = ap.parse_args()
+    run = harness.start(args)
     device = torch.device(args.device)
+    numbers = {}
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     for wgrad in args.wgrad:
@@ -85,6 +86,9 @@ def main() -> None:
             print(f"  {ready[name]:5.2f}  {params[name].numel() / 1e6:7.1f} M  {name}")
         early = sum(params[n].numel() for n in ready if ready[n] < 0.9) / total
         print(f"  gradient bytes final before 90 % of the backward: {100 * early:.0f} %")
+        numbers[wgrad] = {"ready_fraction": dict(sorted(ready.items(), key=lambda kv: kv[1])),
+                          "bytes_final_before_90pct": early}
+    run.finish(numbers)
 
 
 if __name__ == "__main__":

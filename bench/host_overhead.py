@@ -10,11 +10,11 @@ this is the per-step cost that fuller batches amortise and fewer, fused operator
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+import harness
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, target_to_draft_ids
 from hstap.train.attention import BACKENDS
 from hstap.train.ttt import TTTBatch, TTTModel, batch_tensors
@@ -24,12 +24,13 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None, warmup=3)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--attention", default="math", choices=BACKENDS)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    run = harness.start(args)
     torch.manual_seed(0)
     cfg = DrafterConfig(**TINY, draft_vocab_size=256, aux_layer_ids=[1, 14, 26], target_model_id="bench",
                         target_fingerprint="bench", target_hidden_size=TINY["hidden_size"])
@@ -54,7 +55,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
 
-    for _ in range(3):
+    for _ in range(args.warmup):
         step()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -69,6 +70,7 @@ def main() -> None:
                 and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
     print(f"TTT {args.ttt_steps}, attention {args.attention}: {ms:.1f} ms of host time per training step, "
           f"{calls} operator calls")
+    run.finish({"host_ms_per_step": ms, "operator_calls": calls})
 
 
 if __name__ == "__main__":

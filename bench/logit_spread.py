@@ -11,13 +11,9 @@ top-2 gap between the two computations, in rounding steps (`rounding_step`) at t
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
-import sys
-
 import torch
 
+import harness
 from hstap.config import torch_dtype
 from hstap.data import load_mtbench, render_prompt
 from hstap.evaluate.divergence import rounding_step
@@ -60,17 +56,15 @@ def spreads(model, prompt: list[int], tokens: int, dtype: torch.dtype) -> list[t
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device="cpu")
     ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"date {datetime.date.today()}, device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"command: python {' '.join(sys.argv)}\n")
-    print("| dtype | positions | Δ top logit: median / p90 / max | Δ top-2 gap: median / p90 / max |")
+    run = harness.start(args)
+    print("\n| dtype | positions | Δ top logit: median / p90 / max | Δ top-2 gap: median / p90 / max |")
     print("|---|---:|---:|---:|")
+    numbers = {}
     for name in args.dtype:
         dtype = torch_dtype(name)
         target = load_target("smollm2", device=args.device, dtype=dtype)
@@ -78,11 +72,15 @@ def main() -> None:
         with torch.inference_mode():
             for q in load_mtbench()[: args.prompts]:
                 rows += spreads(target.model, render_prompt(q.messages[:1], target.tokenizer), args.tokens, dtype)
-        cells = []
-        for k in range(2):
+        cells, quantiles = [], {}
+        for k, what in enumerate(("top_logit", "top2_gap")):
             values = sorted(r[k] for r in rows)
-            cells.append(" / ".join(f"{values[int(f * (len(values) - 1))]:.0f}" for f in (0.5, 0.9, 1.0)))
+            quantiles[what] = {q: values[int(f * (len(values) - 1))] for q, f in (("median", 0.5), ("p90", 0.9),
+                                                                              ("max", 1.0))}
+            cells.append(" / ".join(f"{v:.0f}" for v in quantiles[what].values()))
+        numbers[name] = {"positions": len(rows), "rounding_steps": quantiles}
         print(f"| {name} | {len(rows)} | {cells[0]} | {cells[1]} |")
+    run.finish(numbers)
 
 
 if __name__ == "__main__":

@@ -10,22 +10,23 @@ tokens (what training computes on) of both, and for a synth output also its fini
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 from pathlib import Path
 
+import harness
 from hstap.data import SkipReport, render_all
 from hstap.models import load_tokenizer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None)
     ap.add_argument("--data", required=True, help="sharegpt | mt-bench | jsonl:PATH")
     ap.add_argument("--model", default="smollm2", help="the tokenizer: 'smollm2' or a checkpoint dir")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--limit", type=int, default=None)
     args = ap.parse_args()
+    run = harness.start(args)
     tokenizer = load_tokenizer(args.model)
     reports, samples = {}, {}
     for loops in ("keep", "cut"):
@@ -41,10 +42,13 @@ def main() -> None:
           f"({1 - in_loss['cut'] / max(in_loss['keep'], 1):.1%} out)")
     print(f"sample tokens: {tokens['keep']} -> {tokens['cut']} ({1 - tokens['cut'] / max(tokens['keep'], 1):.1%} fewer)")
     print(f"render report with --loops cut: {reports['cut'].summary()}")
+    reasons = {}
     if args.data.startswith("jsonl:"):
         with Path(args.data[len("jsonl:"):]).open() as f:
             reasons = collections.Counter(json.loads(line).get("finish_reason") for line in f if line.strip())
         print(f"finish reasons: {dict(reasons)}")
+    run.finish({"conversations": len(samples["keep"]), "answers_cut": looped, "loss_tokens": in_loss,
+                "sample_tokens": tokens, "finish_reasons": dict(reasons)})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ The weights are random (seeded), so the checkpoint costs nothing to obtain and t
 memory and speed, not a model's quality. `--tokenizer-from` copies a tokenizer (e.g. SmolLM2's converted cache:
 its ids are < 49,152, inside the 8B shape's 128,256-entry vocabulary) so `hstap capture --model DIR` can render
 conversations for it.
+
+It makes a benchmark's input, measures nothing, and so writes no harness record: `--out` is the checkpoint's
+directory here. It takes the harness's device choice and check.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import harness
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -32,8 +37,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--tokenizer-from", type=Path, default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=harness.default_device(), help="cpu, cuda or cuda:N (default: %(default)s)")
     args = ap.parse_args()
+    harness.check_device(args.device)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     start = time.perf_counter()

@@ -4,12 +4,12 @@ place; `prefill_bucket=0`), and that forward replayed from a CUDA graph per padd
 default on CUDA: the batch left-padded to a multiple of PREFILL_BUCKET), same prompts, same process, with and
 without the drafter's aux layers.
 
-    python bench/prefill.py [--device cpu|cuda] [--lengths 64 256 1024] [--batch 1] [--reps 10] [--threads 2]
-    python bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 --reps 20   # the H200 recipe's
+    python bench/prefill.py [--device cpu|cuda] [--lengths 64 256 1024] [--batch 1] [--repeat 10] [--threads 2]
+    python bench/prefill.py --device cuda --lengths 128 512 2048 --batch 1 8 --repeat 20   # the H200 recipe's
 
 Prompts are random token ids of `--lengths` tokens; every other row is a quarter shorter, left-padded (the padding
 mask is exercised, as in real batches). A call is `rt.prefill(ids, mask, 256[, aux_layers])`, what the
-speculative decoder runs per batch. Median of `--reps` after two warm-ups, the paths alternating call by call
+speculative decoder runs per batch. Median of `--repeat` after `--warmup` rounds, the paths alternating call by call
 (a shared machine's drift hits both alike); ms per prompt = ms per call / batch. The graph runtime has exactly
 `rows` rows (a graph runs all of its runtime's rows); where it would not take the graph path (a CPU: no graphs;
 rows x bucket past GRAPH_PREFILL_TOKENS) or its capture fails (out of memory), its column says why instead.
@@ -17,9 +17,6 @@ rows x bucket past GRAPH_PREFILL_TOKENS) or its capture fails (out of memory), i
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +24,7 @@ from typing import Callable
 
 import torch
 
+import harness
 from hstap.errors import first_line
 from hstap.models import load_target
 from hstap.runtime.target import GRAPH_PREFILL_TOKENS, PREFILL_BUCKET, Runtime
@@ -35,17 +33,17 @@ AUX_LAYERS = [1, 14, 26]  # the EAGLE-3 drafter's taps on SmolLM2 (30 layers)
 NEW_TOKENS = 256
 
 
-def alternating_medians(calls: dict[str, Callable[[], object]], reps: int,
+def alternating_medians(calls: dict[str, Callable[[], object]], reps: int, warmup: int,
                         sync: Callable[[], None]) -> dict[str, float]:
-    """Median milliseconds of each call over `reps` rounds after two warm-up rounds; one call of each per round."""
+    """Median milliseconds of each call over `reps` rounds after `warmup` rounds; one call of each per round."""
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(reps + 2):
+    for rep in range(reps + warmup):
         for name, call in calls.items():
             sync()
             t0 = time.perf_counter()
             call()
             sync()
-            if rep >= 2:
+            if rep >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
@@ -58,30 +56,20 @@ def padded_batch(rows: int, length: int, vocab: int, device: str) -> tuple[torch
     return ids, mask
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap = harness.parser(__doc__, repeat=10, warmup=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024], help="prompt tokens per row")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="rows per prefill call")
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2, help="torch threads on a CPU")
     args = ap.parse_args()
-    if min(args.lengths) < 1 or min(args.batch) < 1 or args.reps < 1:
-        sys.exit("prefill.py: error: --lengths, --batch and --reps must be positive")
+    if min(args.lengths) < 1 or min(args.batch) < 1 or args.repeat < 1:
+        sys.exit("prefill.py: error: --lengths, --batch and --repeat must be positive")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
+    run = harness.start(args)
     torch.manual_seed(0)
     model = load_target("smollm2", device=args.device).model
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     longest = -(-max(args.lengths) // PREFILL_BUCKET) * PREFILL_BUCKET + NEW_TOKENS  # the widest bucket fits
     runtimes = {"model": Runtime(model, batch_size=max(args.batch), max_len=longest, len_bucket=longest,
                                  max_slots=1, prefill="model"),
@@ -105,12 +93,9 @@ def main() -> None:
                     if not why:
                         calls["lean+graph"] = lambda rt=graphed, aux=aux: rt.prefill(ids, mask, NEW_TOKENS,
                                                                                      aux_layers=aux)
-                    ms = alternating_medians(calls, args.reps, sync)
+                    ms = alternating_medians(calls, args.repeat, args.warmup, sync)
                     rows.append((length, batch, aux, {k: v / batch for k, v in ms.items()}, why))
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else \
-        f"{cpu_name()}, {torch.get_num_threads()} threads"
-    print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, dtype {model.dtype}")
-    print(f"command: python {' '.join(sys.argv)}")
+    print(f"dtype {model.dtype}")
     print("| prompt tokens | rows | aux layers | model ms/prompt | lean ms/prompt | lean+graph ms/prompt | "
           "model / lean | lean / lean+graph |\n|---:|---:|---|---:|---:|---:|---:|---:|")
     for length, batch, aux, ms, why in rows:
@@ -118,6 +103,8 @@ def main() -> None:
         ratio = f"{ms['lean'] / ms['lean+graph']:.2f}" if "lean+graph" in ms else "—"
         print(f"| {length} | {batch} | {','.join(map(str, aux)) or '-'} | {ms['model']:.2f} | {ms['lean']:.2f} | "
               f"{graph} | {ms['model'] / ms['lean']:.2f} | {ratio} |")
+    run.finish([{"prompt_tokens": length, "rows": batch, "aux_layers": list(aux), "ms_per_prompt": ms,
+                 "graph": why or "replayed"} for length, batch, aux, ms, why in rows])
 
 
 def why_eager(rt: Runtime | None, length: int, batch: int) -> str:

@@ -7,23 +7,23 @@ MT-bench category. Speed is bench/spec_decode.py's job; this chooses shapes.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+import harness
 from hstap.data.categories import CATEGORIES
 from hstap.data.mtbench import mtbench_categories
 from hstap.train.replay import chain_runs, greedy_answers, replay
-from hstap.evaluate.run import load_drafter, load_prompts
+from hstap.drafter.load import load_drafter
+from hstap.evaluate.run import load_prompts
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
 
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None)
     ap.add_argument("--drafter", type=Path, required=True, help="a drafter dir (hstap train run or bf16 copy)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -32,6 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    run = harness.start(args)
     start = time.perf_counter()
     target = load_target("smollm2")
     drafter = load_drafter(args.drafter, target)
@@ -42,20 +43,23 @@ def main() -> None:
     runs = chain_runs(target, drafter, answers, depth) if any(s.uses_drafter for s in shapes) else None
     category = mtbench_categories()
     cats = sorted({category[a.id] for a in answers}, key=CATEGORIES.index)
-    print(f"date {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"fp32, {len(answers)} MT-bench first turns, greedy, max {args.max_new_tokens} new tokens, "
+    print(f"fp32, {len(answers)} MT-bench first turns, greedy, max {args.max_new_tokens} new tokens, "
           f"drafter {args.drafter}, {time.perf_counter() - start:.0f} s")
     print("\n| shape | τ | " + " | ".join(cats) + " |")
     print("|---|---:|" + "---:|" * len(cats))
+    numbers = {}
     for shape in shapes:
         tokens, cycles = replay(answers, runs, shape, args.max_new_tokens)
-        per = []
+        per, by_category = [], {}
         for c in cats:
             idx = [i for i, a in enumerate(answers) if category[a.id] == c]
             t, n = replay([answers[i] for i in idx], [runs[i] for i in idx] if runs else None, shape,
                           args.max_new_tokens)
             per.append(f"{t / n:.2f}")
+            by_category[c] = t / n
+        numbers[shape.spec] = {"tau": tokens / cycles, "tau_by_category": by_category}
         print(f"| {shape.spec} | **{tokens / cycles:.2f}** | " + " | ".join(per) + " |")
+    run.finish({"prompts": len(answers), "shapes": numbers})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Every row counts the engine processes still alive at the end (psutil): that must
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FAKE = ROOT / "tests" / "serve" / "fake_engine.py"
 
+import harness  # noqa: E402
 from hstap.cli import main as hstap  # noqa: E402
 from hstap.serve import stacks  # noqa: E402
 from hstap.serve.config import ServeConfig  # noqa: E402
@@ -166,11 +166,12 @@ def dead_url(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None)
     ap.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     ap.add_argument("--stall-load", type=float, default=5.0, help="stall timeout for the loading hang")
     ap.add_argument("--stall-model", type=float, default=90.0, help="stall timeout for warm-up/first-request hangs")
     args = ap.parse_args()
+    bench_run = harness.start(args)
     rows = {
         "hang-loading": lambda d: hang("loading", args.stall_load, True, d),
         "hang-loading-faulthandler": lambda d: hang("loading", args.stall_load, False, d),
@@ -196,6 +197,7 @@ def main() -> None:
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in table:
         print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    bench_run.finish({"load_average": os.getloadavg()[0], "rows": table})
 
 
 if __name__ == "__main__":

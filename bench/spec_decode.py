@@ -23,17 +23,14 @@ Every finished prompt is appended to a JSONL log (default DRAFTER/bench.jsonl) w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-import torch
-
+import harness
 from hstap.config import torch_dtype
-from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
+from hstap.drafter.load import load_drafter
+from hstap.evaluate.run import evaluate_shapes, load_prompts
 from hstap.metrics import acceptance_length, tau_difference_interval, tau_interval, tokens_per_second
 from hstap.models import load_target
 from hstap.runtime.kv import KV_WRITES
@@ -57,7 +54,7 @@ def _totals(records: list[dict], method: str) -> dict:
 
 def summary(records: list[dict]) -> dict[str, dict]:
     """τ, tok/s and speedup over vanilla of every method in one log of one batch size: what `table` prints, and
-    what bench/ship_drafter.py records in a shipped drafter's provenance."""
+    what lab/ship_drafter.py records in a shipped drafter's provenance."""
     base = _totals(records, "vanilla")
     base_rate = tokens_per_second(int(base["tokens"]), base["seconds"])
     out = {}
@@ -189,8 +186,9 @@ def _record(log: Path, batch: int):
     return record
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The script's flags: the harness's, what to decode, the runtime's A/B switches, and the log modes."""
+    ap = harness.parser(__doc__)
     ap.add_argument("--drafter", type=Path)
     ap.add_argument("--table", type=Path, help="print the tables of an existing log and exit")
     ap.add_argument("--compare", type=Path, nargs=2, metavar=("FIRST", "SECOND"),
@@ -198,7 +196,6 @@ def main() -> None:
                          "interval, and exit")
     ap.add_argument("--limit", type=int, default=80, help="MT-bench questions")
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N of them (finish a run cut short)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on a CPU")
     ap.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -216,7 +213,14 @@ def main() -> None:
                     help="the target cache's write form (hstap.runtime.kv.KVCache): an end-to-end A/B of "
                          "bench/verify_cost.py's section 6")
     ap.add_argument("--log", type=Path, help="per-prompt JSONL log (default DRAFTER/bench.jsonl)")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
+    if args.out and (args.compare or args.table):
+        ap.error("--out records a measurement: not with --table or --compare, which read logs")
     if args.compare:
         print(compare(*map(read_log, args.compare)))
         return
@@ -226,6 +230,7 @@ def main() -> None:
     shapes = [DraftShape.parse(s) for s in args.shapes]
     if args.drafter is None and any(s.uses_drafter for s in shapes):
         ap.error("--drafter is required for chain and tree shapes (or --table LOG)")
+    run = harness.start(args)
     started = time.perf_counter()
     target = load_target("smollm2", device=args.device, dtype=torch_dtype(args.dtype) if args.dtype else None)
     drafter = load_drafter(args.drafter, target) if args.drafter else None
@@ -239,15 +244,15 @@ def main() -> None:
                         fused=False if args.eager_drafting else None, prefill=args.prefill,
                         prefill_bucket=args.prefill_bucket, kv_write=args.kv_write)
         print(f"batch {batch}: {time.perf_counter() - t0:.0f} s (graph capture and warm-up included)", flush=True)
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"\ndate {datetime.date.today()}, device {dev}, torch {torch.__version__}, target dtype "
-          f"{str(target.model.dtype).removeprefix('torch.')}, CUDA graphs {not args.no_cuda_graphs}")
-    print(f"command: python {' '.join(sys.argv)}")
+    print(f"\ntarget dtype {str(target.model.dtype).removeprefix('torch.')}, CUDA graphs {not args.no_cuda_graphs}")
     print(f"{len(prompts)} MT-bench questions (first turn), greedy, max {args.max_new_tokens} new tokens, "
           f"total {time.perf_counter() - started:.0f} s")
-    print_tables(read_log(log))
+    records = read_log(log)
+    print_tables(records)
     print(f"\nper-prompt log: {log}")
+    batches = sorted({r.get("batch", 1) for r in records})
+    run.finish({"prompts": len(prompts), "log": str(log), "by_batch": {
+        b: summary([r for r in records if r.get("batch", 1) == b]) for b in batches}})
 
 
 if __name__ == "__main__":

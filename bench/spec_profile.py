@@ -14,7 +14,6 @@ tree's ~370 kernels and ~1.8 ms a cycle over a vanilla step go: its drafting is 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,9 +22,11 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+import harness
 from hstap.config import torch_dtype
-from hstap.evaluate.run import load_drafter, load_prompts
-from hstap.evaluate.spec import Methods
+from hstap.drafter.load import load_drafter
+from hstap.evaluate.run import load_prompts
+from hstap.evaluate.methods import Methods
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
 
@@ -68,7 +69,7 @@ def timeline(intervals: list[tuple[float, float]]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device="cuda")
     ap.add_argument("--drafter", type=Path)
     ap.add_argument("--prompts", type=int, default=4, help="MT-bench first turns profiled per method")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -77,21 +78,21 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--top", type=int, default=0, help="per method, the N kernels with the most device time a cycle")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("spec_profile: needs a CUDA device (it reads the device's kernel timeline)")
-    target = load_target("smollm2", device="cuda", dtype=torch_dtype(args.dtype))
+    if not args.device.startswith("cuda"):
+        ap.error(f"--device {args.device}: needs a CUDA device (it reads the device's kernel timeline)")
+    run = harness.start(args)
+    target = load_target("smollm2", device=args.device, dtype=torch_dtype(args.dtype))
     shapes = [DraftShape.parse(s) for s in args.shapes]
     drafter = load_drafter(args.drafter, target) if any(s.uses_drafter for s in shapes) else None
     prompts = load_prompts("mt-bench", target.tokenizer, args.prompts)
     longest = max(len(p.ids) for p in prompts) + args.max_new_tokens
     methods = Methods(target.model, drafter, 1, longest, shapes)
     stops = set(target.stop_ids)
-    print(f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} new tokens, batch 1, {args.dtype}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} new tokens, batch 1, {args.dtype}")
     print("| method | cycles | ms per cycle | kernels per cycle | device busy | idle gaps per cycle | median gap µs "
           "| gaps ≥ 50 µs: count, µs per cycle |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    tables = {}
+    tables, rows = {}, []
     for shape in [None, *shapes]:
         name = "vanilla" if shape is None else shape.spec
         for p in prompts:  # untimed: graphs captured, kernels compiled
@@ -117,16 +118,24 @@ def main() -> None:
         print(f"| {name} | {cycles} | {row['ms_per_cycle']:.2f} | {row['kernels_per_cycle']:.0f} | "
               f"{100 * row['busy']:.0f} % | {row['gaps_per_cycle']:.0f} | {row['median_gap_us']:.1f} | "
               f"{len(long)}, {row['long_gap_us_per_cycle']:.0f} |", flush=True)
+        rows.append(row)
         if args.json:
             print(json.dumps(row))
-    for name, table in tables.items() if args.top else ():
+    run.finish({"methods": rows, "top_kernels": print_top_kernels(tables, args.top) if args.top else {}})
+
+
+def print_top_kernels(tables: dict[str, dict[str, tuple[float, float]]], top: int) -> dict[str, list[dict]]:
+    """Per method, its `top` kernels by device time a cycle beside vanilla's a token: printed, and returned."""
+    for name, table in tables.items():
         if name == "vanilla":
             continue
-        print(f"\n{name}: the {args.top} kernels with the most device time a cycle (vanilla's a token beside)\n\n"
+        print(f"\n{name}: the {top} kernels with the most device time a cycle (vanilla's a token beside)\n\n"
               "| kernel | launches a cycle | µs a cycle | vanilla launches | vanilla µs |\n|---|---:|---:|---:|---:|")
-        for kernel, (count, us) in list(table.items())[: args.top]:
+        for kernel, (count, us) in list(table.items())[:top]:
             v_count, v_us = tables["vanilla"].get(kernel, (0.0, 0.0))
             print(f"| `{kernel}` | {count:.1f} | {us:.1f} | {v_count:.1f} | {v_us:.1f} |")
+    return {name: [{"kernel": k, "launches_per_cycle": c, "us_per_cycle": us} for k, (c, us) in
+                   list(table.items())[:top]] for name, table in tables.items()}
 
 
 if __name__ == "__main__":

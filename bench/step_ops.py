@@ -17,7 +17,6 @@ session's analysis: it found the 8B step's largest avoidable traffic, autograd's
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import math
@@ -29,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import harness
 from hstap.drafter import DrafterConfig, Eagle3Drafter, fused
 from hstap.train import attention, loss, merge_kernel, shared
 from hstap.train.ttt import TTTBatch, TTTModel, batch_tensors
@@ -249,7 +249,7 @@ def summary(ops: list[Op], matmul_tflops: float, bandwidth_tbs: float, top: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device=None)
     ap.add_argument("--shape", default="8b", choices=list(SHAPES))
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=2048)
@@ -265,11 +265,17 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=3.3, help="TB/s for the rest (H200: 4.8 peak, ~3.3 reached)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
+    run = harness.start(args)
     ops = trace_step(args.shape, args.draft_vocab, args.seq, args.batch, args.ttt_steps, args.attention, args.wgrad,
                      not args.no_clip)
     print(f"{args.shape}, draft vocab {args.draft_vocab}, {args.batch} x {args.seq} positions, TTT {args.ttt_steps}, "
           f"attention {args.attention}, weight gradients by {args.wgrad}" + ("" if args.no_clip else ", clipped"))
     print(summary(ops, args.matmul_tflops, args.bandwidth, args.top))
+    by_name = collections.Counter()
+    for op in ops:
+        by_name[f"{op.phase} {op.name}"] += 0 if op.flops else op.bytes
+    run.finish({"matmul_flops": sum(op.flops for op in ops), "other_bytes": sum(op.bytes for op in ops if not op.flops),
+                "operators": len(ops), "bytes_by_operator": dict(by_name.most_common(args.top))})
 
 
 if __name__ == "__main__":

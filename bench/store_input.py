@@ -15,8 +15,6 @@ Per arm: the median wait for the batch, and the step time it makes (wait + devic
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import harness
 from hstap.store import StoreMeta, StoreWriter, open_store
 from hstap.train.data import StoreSource, load_batch
 
@@ -52,16 +51,16 @@ def write_store(path: Path, shape: str, seq: int, samples: int, teacher: str) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, device="cpu", warmup=2)
     ap.add_argument("--shape", default="8b", choices=list(SHAPES))
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1, help="samples a batch")
     ap.add_argument("--step-ms", type=float, default=75.0, help="the device step the host waits for")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per arm")
     ap.add_argument("--teacher", default="topk:32", choices=["topk:32", "hidden"])
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", type=Path, default=None, help="where the store goes (default: a temporary dir)")
     args = ap.parse_args()
+    run = harness.start(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -85,19 +84,21 @@ def main() -> None:
                 torch.cuda.current_stream(device).synchronize()  # the copy done: the step could start
             waited = time.perf_counter() - start
             time.sleep(args.step_ms / 1000)  # the device step; the host waits for its read-back
-            if step >= 2:  # the first of each arm warms the page cache and the allocator
+            if step >= args.warmup:  # the first of each arm warms the page cache and the allocator
                 waits[arm].append(waited)
             del batch
     size = store.manifest.totals.bytes / batches
     print(f"# store input, {args.shape} shape, {args.batch} x {args.seq} tokens a batch ({size / 2**20:.0f} MiB on "
-          f"disk), teacher {args.teacher}, device step {args.step_ms:.0f} ms; {platform.processor() or 'cpu'}, "
-          f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, device {device}")
+          f"disk), teacher {args.teacher}, device step {args.step_ms:.0f} ms, device {device}")
     base = statistics.median(waits["now"]) * 1000 + args.step_ms
+    numbers = {"batch_bytes": size}
     for arm, values in waits.items():
         wait = statistics.median(values) * 1000
         step = wait + args.step_ms
+        numbers[arm] = {"wait_ms": wait, "step_ms": step, "steps_per_s_vs_now": base / step, "timed": len(values)}
         print(f"{arm:>6}: wait for the batch {wait:7.1f} ms (median of {len(values)}), step {step:7.1f} ms, "
               f"{base / step:.2f}x the `now` arm's steps a second")
+    run.finish(numbers)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Decode throughput of the embedded synth backend against plain `model.generate`, same batches, one run.
 
-    .venv/bin/python bench/synth.py [--device cpu|cuda] [--batch 8] [--prompts 16] [--new 32] [--reps 2]
+    .venv/bin/python bench/synth.py [--device cpu|cuda] [--batch 8] [--prompts 16] [--new 32] [--repeat 2]
     python bench/synth.py --device cuda --batch 256 --prompts 1024 --new 256        # the H200 figure
 
 Prompts are real ShareGPT first turns rendered as synth renders them (capped at --max-prompt tokens), split into
 batches of --batch. Every row generates exactly --new tokens (stops ignored; `min_new_tokens` for generate), so
-each side does the same work. tokens/s = generated tokens / wall seconds, prefill included, median of --reps
+each side does the same work. tokens/s = generated tokens / wall seconds, prefill included, median of --repeat
 after one untimed warm-up pass (which also captures the CUDA graphs). Compared, in alternation:
 `generate` (greedy, DynamicCache), hstap `eager` (our loop, DynamicCache) and hstap `static` (preallocated cache;
 with CUDA graphs on a GPU).
@@ -14,31 +14,17 @@ with CUDA graphs on a GPU).
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
-import sys
 import time
 
 import torch
 
+import harness
 from hstap.data import open_source, render_prompt
 from hstap.metrics import tokens_per_second
 from hstap.models import load_target
 from hstap.runtime.decode import EagerStepper, Request, decode, left_pad
 from hstap.runtime.target import Runtime
-
-
-def _hardware(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {torch.get_num_threads()} torch threads"
 
 
 def _prompts(tokenizer, n: int, cap: int) -> list[list[int]]:
@@ -50,14 +36,13 @@ def _prompts(tokenizer, n: int, cap: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+def build_parser() -> argparse.ArgumentParser:
+    """The script's flags: the harness's, the batches, and the optional arms and checks."""
+    ap = harness.parser(__doc__, device="cpu", repeat=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=32, help="tokens generated per row")
     ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept per row")
-    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--compile", action="store_true", help="also time the static path with a torch.compile'd step")
     ap.add_argument("--also-batch", type=int, nargs="*", default=[], metavar="B",
@@ -68,9 +53,15 @@ def main() -> None:
                     help="then decode the first N prompts with every runtime path and with an fp32 copy of the model: "
                          "how many greedy tokens each bf16 path keeps equal to fp32 (is the compiled step as right "
                          "as the eager kernels?)")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    run = harness.start(args)
 
     target = load_target("smollm2", device=args.device)
     model, tok = target.model, target.tokenizer
@@ -114,7 +105,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-        for _ in range(args.reps):
+        for _ in range(args.repeat):
             for name, fn in methods.items():
                 sync()
                 t0 = time.perf_counter()
@@ -123,25 +114,26 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
 
     rate = {k: tokens_per_second(tokens, statistics.median(v)) for k, v in times.items()}
-    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    print(f"command: {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
-    print(f"hardware: {_hardware(args.device)}; torch {torch.__version__}, dtype {next(model.parameters()).dtype}")
+    print(f"dtype {next(model.parameters()).dtype}")
     print(f"{len(prompts)} ShareGPT prompts (mean {statistics.mean(map(len, prompts)):.0f} tokens), batch "
-          f"{args.batch}, {args.new} new tokens per row, {tokens} tokens per pass, median of {args.reps}")
+          f"{args.batch}, {args.new} new tokens per row, {tokens} tokens per pass, median of {args.repeat}")
     for name, r in rate.items():
         print(f"{name:>36}: {r:9.1f} tok/s  ({r / rate['generate']:.2f}x generate)")
+    numbers = {"prompts": len(prompts), "tokens_per_pass": tokens, "tokens_per_s": rate}
     if args.check:
         paths = {"static": static, **({"static + compile": compiled} if args.compile else {})}
-        check_against_fp32(paths, prompts[:args.check], args, pad)
+        numbers["agreement_with_fp32"] = check_against_fp32(paths, prompts[:args.check], args, pad)
+    run.finish(numbers)
 
 
 def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def check_against_fp32(paths: dict[str, Runtime], prompts: list[list[int]], args, pad: int) -> None:
+def check_against_fp32(paths: dict[str, Runtime], prompts: list[list[int]], args, pad: int) -> dict:
     """Greedy tokens of each runtime path against the same runtime on an fp32 copy of the model, per prompt: the
-    length of the equal prefix (bf16 paths drift from fp32 at near-tied logits; a wrong kernel drifts at once)."""
+    length of the equal prefix (bf16 paths drift from fp32 at near-tied logits; a wrong kernel drifts at once).
+    Returns each path's equal-prefix lengths."""
     reference = load_target("smollm2", device=args.device, dtype=torch.float32).model
     paths = {"fp32 static": Runtime(reference, batch_size=args.batch, max_len=args.max_prompt + args.new + 256,
                                     cuda_graphs=args.device.startswith("cuda")), **paths}
@@ -159,11 +151,14 @@ def check_against_fp32(paths: dict[str, Runtime], prompts: list[list[int]], args
         print(f"{name:>36}: mean {statistics.mean(prefix):6.1f}, median {statistics.median(prefix):6.1f}, "
               f"all {args.new} equal in {whole} of {len(prompts)}; first 16 equal in "
               f"{sum(p >= 16 for p in prefix)}")
+    found = {name: [_same_prefix(s, r) for s, r in zip(seqs, ref)] for name, seqs in out.items()}
     if len(out) == 2:
         a, b = out.values()
         prefix = [_same_prefix(x, y) for x, y in zip(a, b)]
+        found["static vs static + compile"] = prefix
         print(f"{'static vs static + compile':>36}: mean {statistics.mean(prefix):6.1f}, "
               f"all equal in {sum(p == args.new for p in prefix)} of {len(prompts)}")
+    return found
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python bench/topk_cost.py --device cuda
 
-Each way runs replayed from a CUDA graph (as the tree drafter's expansion does; eager on a CPU), `--reps` times
+Each way runs replayed from a CUDA graph (as the tree drafter's expansion does; eager on a CPU), `--repeat` times
 after a warm-up, and its mean µs per call is printed with whether its values equal torch.topk's. Shapes: the
 tree:8,8,60 drafter's root row (1 × 16,384 fp32, k 8) and its per-depth rows (8 × 16,384, k 8), and an 8B
 teacher's prefill (8,192 × 128,256 bf16, k 32; eager, it is not graphed).
@@ -10,11 +10,11 @@ teacher's prefill (8,192 × 128,256 bf16, k 32; eager, it is not graphed).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+import harness
 from hstap.topk import block_topk
 from verify_cost import graphed  # bench/ is the script's directory, first on sys.path
 
@@ -36,28 +36,31 @@ def time_call(fn, reps: int, graph: bool) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=200)
+    ap = harness.parser(__doc__, repeat=200)
     args = ap.parse_args()
+    run = harness.start(args)
     gen = torch.Generator(device=args.device).manual_seed(0)
-    print(f"device {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
     print("| rows | shape | k | torch.topk µs | block_topk µs | compiled block_topk µs | values equal |")
     print("|---|---|---:|---:|---:|---:|---|")
     compiled = torch.compile(block_topk, dynamic=False)
+    numbers = []
     for name, shape, dtype, k, graph in SHAPES:
         x = torch.randn(*shape, device=args.device, generator=gen).to(dtype)
-        reps = args.reps if graph else max(5, args.reps // 20)
+        reps = args.repeat if graph else max(5, args.repeat // 20)
         ways = {"topk": lambda: x.topk(k, dim=-1), "block": lambda: block_topk(x, k), "compiled": lambda: compiled(x, k)}
-        us = {}
+        us, figures = {}, {}
         for way, fn in ways.items():
             try:
-                us[way] = f"{time_call(fn, reps, graph and args.device.startswith('cuda')):.1f}"
+                figures[way] = time_call(fn, reps, graph and args.device.startswith('cuda'))
+                us[way] = f"{figures[way]:.1f}"
             except Exception as exc:  # noqa: BLE001 — a compile that fails here is a figure, not a crash
-                us[way] = f"failed ({type(exc).__name__})"
+                us[way] = figures[way] = f"failed ({type(exc).__name__})"
         equal = torch.equal(block_topk(x, k)[0], x.topk(k, dim=-1).values)
+        numbers.append({"rows": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "k": k,
+                        "us_per_call": figures, "values_equal": equal})
         print(f"| {name} | {' × '.join(map(str, shape))} {str(dtype).removeprefix('torch.')} | {k} | {us['topk']} | "
               f"{us['block']} | {us['compiled']} | {equal} |", flush=True)
+    run.finish(numbers)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,14 @@ batch alone (prefill + teacher + hand-off, timed separately on the same batches)
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+import harness
 from hstap.data import SkipReport, render_all
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, count_tokens, target_to_draft_ids
 from hstap.metrics import tokens_per_second
@@ -36,7 +34,7 @@ from hstap.train import distributed
 from hstap.train.data import OnlineSource, load_batch, plan_batches
 from hstap.train.online import DeviceOnlineSource
 from hstap.train.graphed import GraphedTTT
-from hstap.train.run import accumulate
+from hstap.train.trainer import accumulate
 from hstap.train.steplog import StepLog
 from hstap.train.ttt import TTTModel, autocast
 
@@ -128,15 +126,13 @@ def profile_device_path(sources: dict, batches: list[list[int]], drafter: Eagle3
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = harness.parser(__doc__, warmup=2)
     ap.add_argument("--batch-tokens", default="16384,32768,65536", help="padded tokens per batch, comma-separated")
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=2048, help="longest sample")
     ap.add_argument("--limit", type=int, default=3000, help="ShareGPT conversations to batch from")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per path and batch size")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     ap.add_argument("--profile", type=Path, default=None, help="also profile the device path into this directory")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
@@ -144,19 +140,19 @@ def main() -> None:
     device = torch.device(args.device)
     if "graphs" in args.paths and device.type != "cuda":
         ap.error("--paths ...+graphs: CUDA graphs need --device cuda")
+    run = harness.start(args)
     target = load_target("smollm2", device=args.device)
     samples = render_all("sharegpt", target.tokenizer, SkipReport(), max_tokens=args.max_tokens, limit=args.limit)
     sources = {"capture": OnlineSource(target, samples, LAYERS, device=args.device),
                "device": DeviceOnlineSource(target, samples, LAYERS, device=args.device)}
     drafter = build_drafter(target, sources["device"], args.draft_vocab, device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"date {datetime.date.today()}, {name}, torch {torch.__version__}, SmolLM2 {target.model.dtype}, "
+    print(f"SmolLM2 {target.model.dtype}, "
           f"{len(samples)} ShareGPT samples ≤ {args.max_tokens} tokens, layers {LAYERS}, TTT {args.ttt_steps}, "
           f"draft vocab {args.draft_vocab}, {args.steps} timed steps after {args.warmup}", flush=True)
     print("| batch tokens | path | real tokens/batch | batch alone (ms) | step (ms) | tok/s | vs first path | "
           "peak GiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for batch_tokens in (int(x) for x in args.batch_tokens.split(",")):
         plan = plan_batches(list(range(len(samples))), sources["device"].lengths, batch_tokens, seed=0, epoch=0)
         batches = plan[:args.warmup + args.steps + 1]  # + the one the last timed step prefetches
@@ -166,6 +162,7 @@ def main() -> None:
         for path in args.paths.split(","):
             row = time_path(path, sources, batches, args.warmup, drafter, args.ttt_steps, device, batch_tokens)
             base = base or row["tokens_per_s"]
+            rows.append({"batch_tokens": batch_tokens, **row, "vs_first_path": row["tokens_per_s"] / base})
             print(f"| {batch_tokens} | {path} | {row['tokens']:.0f} | {row['batch_ms']:.1f} | {row['step_ms']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {row['tokens_per_s'] / base:.2f}x | {row['peak_gib']:.1f} |",
                   flush=True)
@@ -175,6 +172,7 @@ def main() -> None:
         plan = plan_batches(list(range(len(samples))), sources["device"].lengths,
                             int(args.batch_tokens.split(",")[0]), seed=0, epoch=0)
         profile_device_path(sources, plan[:4], drafter, args.ttt_steps, device, args.profile)
+    run.finish({"samples": len(samples), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,16 +27,15 @@ Rank 0 prints; `--json` adds machine-readable lines.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+import harness
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab, fused, target_to_draft_ids
 from hstap.errors import first_line
 from hstap.metrics import tokens_per_second
@@ -109,16 +108,16 @@ def graphed_step(graph: GraphedTTT, opt, batch: TTTBatch, device: torch.device,
     opt.zero_grad(set_to_none=False)
 
 
-def time_steps(step, steps: int, device: torch.device) -> float:
-    """Median seconds of `step()`, 2 warm-ups excluded."""
+def time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
+    """Median seconds of `step()` over `steps` calls, `warmup` calls before them excluded."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
-    for i in range(steps + 2):
+    for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
         step()
         sync()
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -143,10 +142,10 @@ def print_profile(model, opt, batch: TTTBatch, device: torch.device, rows: int) 
 
 
 def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: int, measured: float,
-            on: bool, graphed: bool, after: bool = False, bf16_wire: bool = False) -> None:
+            on: bool, graphed: bool, after: bool = False, bf16_wire: bool = False) -> dict:
     """Time `args.steps` steps at one length and print (rank 0) tokens/s, MFU and peak memory; `graphed`: the
     forward and backward replayed from a CUDA graph (`graphed_step`; the capture and its warm-ups untimed: they
-    run in the first of the 2 untimed steps)."""
+    run in the first of the `args.warmup` untimed steps). Returns the row's numbers."""
     shape = SHAPES[args.shape]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     cuda = dist.device.type == "cuda"
@@ -167,7 +166,7 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
         step = functools.partial(graphed_step, graph, opt, batch, dist.device, flat)
     else:
         step = functools.partial(train_step, ttt if flat is not None else model, opt, batch, dist.device, flat)
-    step_s = dist.agree_max(time_steps(step, args.steps, dist.device))  # the slowest rank
+    step_s = dist.agree_max(time_steps(step, args.steps, args.warmup, dist.device))  # the slowest rank
     kernels = "fused" if on and fused.active() and cuda else "eager"  # after the steps: a failed compile says eager
     kernels += " graphed" if graphed else ""
     reduce = ("after" if flat is not None else "overlap") if dist.enabled else "none"
@@ -183,19 +182,17 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
               f"{tokens_per_second(tokens, step_s):.0f} tok/s over {dist.world_size} rank(s), {tflops:.3g} TFLOP/s "
               f"of model FLOPs per device: MFU {100 * mfu:.1f}% ({100 * of_matmul:.1f}% of the measured matmul "
               f"rate), peak memory {peak_gib:.1f} GiB per GPU")
-        if args.json:
-            print(json.dumps({"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
-                              "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape,
-                              "seq": seq, "batch": args.batch, "ttt": args.ttt_steps, "tflops_per_gpu": tflops,
-                              "mfu": mfu, "matmul_tflops": measured, "attention": backend,
-                              "kernels": kernels, "grad_reduce": reduce,
-                              "grad_reduce_dtype": "bf16" if bf16_wire else "fp32",
-                              "flex_mode": attention.FLEX_COMPILE_MODE or "default",
-                              "wgrad": "gemm" if shared.ENABLED else "autograd",
-                              "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
-                              "merge_kernel_failure": merge_kernel.KERNELS.failure,
-                              "head": "triton" if HEAD_KERNEL.enabled else "compiled",
-                              "head_kernel_failure": HEAD_KERNEL.failure}))
+    row = {"ranks": dist.world_size, "step_ms": 1000 * step_s, "peak_gib": peak_gib,
+           "tokens_per_s": tokens_per_second(tokens, step_s), "shape": args.shape, "seq": seq, "batch": args.batch,
+           "ttt": args.ttt_steps, "tflops_per_gpu": tflops, "mfu": mfu, "matmul_tflops": measured,
+           "attention": backend, "kernels": kernels, "grad_reduce": reduce,
+           "grad_reduce_dtype": "bf16" if bf16_wire else "fp32", "flex_mode": attention.FLEX_COMPILE_MODE or "default",
+           "wgrad": "gemm" if shared.ENABLED else "autograd",
+           "merge": "triton" if merge_kernel.KERNELS.enabled else "compiled",
+           "merge_kernel_failure": merge_kernel.KERNELS.failure,
+           "head": "triton" if HEAD_KERNEL.enabled else "compiled", "head_kernel_failure": HEAD_KERNEL.failure}
+    if dist.rank == 0 and args.json:
+        print(json.dumps(row))
     if args.profile and dist.rank == 0 and not graphed:
         print_profile(model, opt, batch, dist.device, args.profile)
     del batch, step
@@ -204,11 +201,12 @@ def measure(args, cfg: DrafterConfig, model, opt, dist, t2d: torch.Tensor, seq: 
     if graphed:
         del graph
         torch.cuda.empty_cache()
+    return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def build_parser() -> argparse.ArgumentParser:
+    """The script's flags: the harness's, the shape, and one list of arms per training choice."""
+    ap = harness.parser(__doc__, warmup=2)
     ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -248,7 +246,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print one JSON line per length with the numbers")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing each length, profile one more step and print its N costliest kernels")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
+    run = harness.start(args)
     dist = distributed.setup(args.device)
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graph]
     if True in graph_modes and dist.device.type != "cuda":
@@ -269,14 +273,12 @@ def main() -> None:
                             fused=cuda)  # as hstap.train.run builds it
     measured = matmul_tflops(dist.device)
     if dist.rank == 0:
-        name = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, " \
-            f"{torch.get_num_threads()} threads"
-        print(f"date {datetime.date.today()}, device {dist.world_size} x {name}, torch {torch.__version__}, shape "
-              f"{args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, batch {args.batch} per rank, "
-              f"attention {' '.join(args.attention)}, median of {args.steps} steps")
+        print(f"{dist.world_size} rank(s), shape {args.shape}, draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, "
+              f"batch {args.batch} per rank, attention {' '.join(args.attention)}, median of {args.steps} steps")
         print(f"measured matmul rate {measured:.3g} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'}); "
               f"MFU against {args.peak_tflops:.1f} TFLOP/s" + ("" if cuda else " (a GPU figure: n/a here)"))
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
+    rows = []
     for backend, flex_mode, wgrad, merge, head in itertools.product(args.attention, args.flex_mode, args.wgrad,
                                                                    args.merge, args.head):
         ttt.attention = backend
@@ -294,16 +296,18 @@ def main() -> None:
             for on, graphed, after, bf16 in arms:
                 fused.enable(on)
                 try:
-                    measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed, after, bf16)
+                    rows.append(measure(args, cfg, model, opt, dist, t2d, seq, measured, on, graphed, after, bf16))
                 except Exception as e:  # noqa: BLE001 — one configuration that fails (a kernel a GPU refuses) must
                     # not cost the others their measurement: said in one line, and the next one runs
                     if dist.enabled:
                         raise  # the other ranks would wait on a collective this rank skipped
                     opt.zero_grad(set_to_none=True)
                     print(f"seq {seq} [{backend}, graphed {graphed}]: failed: {first_line(e)}")
+                    rows.append({"seq": seq, "attention": backend, "graphed": graphed, "wgrad": wgrad,
+                                 "merge": merge, "head": head, "error": first_line(e)})
                     if args.json:
-                        print(json.dumps({"seq": seq, "attention": backend, "graphed": graphed, "wgrad": wgrad,
-                                          "merge": merge, "head": head, "error": first_line(e)}))
+                        print(json.dumps(rows[-1]))
+    run.finish({"matmul_tflops": measured, "peak_tflops": args.peak_tflops, "rows": rows})
     if dist.enabled:
         torch.distributed.destroy_process_group()
 

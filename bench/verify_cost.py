@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+import harness
+from hstap.runtime.census import elementwise_census
 from hstap.runtime.kv import KV_WRITES
 from hstap.runtime.llama import MLP_FORMS, LeanLlama, gated_mlp
 from hstap.runtime.target import Runtime
@@ -229,90 +229,41 @@ def kernel_profile(replay, cuda: bool, reps: int = 20) -> dict[str, float]:
     return dict(per_name)
 
 
-# copies run as elementwise kernels too, though not tagged pointwise (cat and scatter have kernels of their own)
-_ELEMENTWISE = {"copy_", "clone", "_to_copy"}
-
-
-def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
-    """t's strides over its non-unit dims when its elements fill one block of memory without gaps (in any dim
-    order), else None: operands dense in the same order coalesce to one dimension, which CUDA's vectorised
-    elementwise kernel needs."""
-    dims = [(stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1]
-    expected = 1
-    for stride, size in sorted(dims):
-        if stride != expected:
-            return None
-        expected *= size
-    return tuple(stride for stride, _ in dims)
-
-
-def elementwise_census(body) -> collections.Counter:
-    """(op, layout) → how many times one call of `body` runs it, for every elementwise op. layout: "dense"
-    (every tensor operand of one shape and dense in one dim order: CUDA's vectorised kernel), "broadcast"
-    (operands of different shapes) or "strided" (one shape, an operand with gaps or in another order: CUDA's
-    generic kernel, as for a broadcast). Scalars and one-element tensors are left out of the comparison."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    counts: collections.Counter = collections.Counter()
-
-    class Census(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            if torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
-                tensors = [t for t in tree_flatten((args, kwargs, out))[0]
-                           if isinstance(t, torch.Tensor) and t.numel() > 1]
-                if tensors:
-                    if len({t.shape for t in tensors}) > 1:
-                        layout = "broadcast"
-                    else:
-                        strides = {_dense_strides(t) for t in tensors}
-                        layout = "dense" if len(strides) == 1 and None not in strides else "strided"
-                    counts[(name, layout)] += 1
-            return out
-
-    with Census():
-        body()
-    return counts
-
-
 @torch.inference_mode()  # the runtime's cache is made under inference mode (prefill): writes to it must be too
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = harness.parser(__doc__, repeat=20)
     ap.add_argument("--model", choices=["random", "smollm2"], default="random")
     ap.add_argument("--prompt", type=int, default=300, help="tokens already in the KV cache")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 61])
-    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=12, help="kernel names shown per Q")
     ap.add_argument("--no-gemm", action="store_true", help="leave out the per-shape GEMM table")
     ap.add_argument("--census", action="store_true", help="only section 4 (no timing: any device)")
     args = ap.parse_args()
+    run = harness.start(args)
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build(args.model, args.device, dtype)
     rt = prefilled_runtime(model, args.prompt)
     bodies = forward_bodies(rt, args.tokens)  # kept: a graph reads its inputs' memory, which must stay theirs
-    dev = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"date {datetime.date.today()}, device {dev}, torch {torch.__version__}, {args.model} weights, {dtype}, "
-          f"prompt {args.prompt} tokens in the cache, batch 1")
-    print(f"command: python {' '.join(sys.argv)}")
-    if not args.census:
-        timings(rt, bodies, args, cuda)
+    print(f"{args.model} weights, {dtype}, prompt {args.prompt} tokens in the cache, batch 1")
+    numbers = {} if args.census else timings(rt, bodies, args, cuda)
     census = {q: elementwise_census(body) for q, body in bodies.items()}
+    numbers["elementwise_census"] = {q: {f"{op} {layout}": n for (op, layout), n in counts.items()}
+                                     for q, counts in census.items()}
     keys = sorted(set().union(*census.values()), key=lambda k: (k[1] == "dense", k))
     print("\n4. elementwise ops of one forward by operand layout (broadcast and strided ones run CUDA's generic "
           f"kernel)\n\n| op | layout | {' | '.join(f'Q={q}' for q in args.tokens)} |\n"
           f"|---|---|{'---:|' * len(args.tokens)}")
     for op, layout in keys:
         print(f"| {op} | {layout} | {' | '.join(str(census[q][(op, layout)]) for q in args.tokens)} |")
-    if args.census:
-        return
-    print_forms(f"5. one layer's MLP in three forms, µs inside a graph (the runtime's here: {rt.lean.mlp_form})",
-                "M", mlp_forms(rt, args.tokens, max(3, args.reps // 4), cuda))
-    print_forms("6. one layer's K and V write into the cache in three forms, µs inside a graph (the runtime's: "
-                f"{rt.lean.kv_write})", "Q", kv_write_table(rt, args.tokens, max(3, args.reps // 4), cuda))
+    if not args.census:
+        numbers["mlp_forms_us"] = mlp_forms(rt, args.tokens, max(3, args.repeat // 4), cuda)
+        print_forms(f"5. one layer's MLP in three forms, µs inside a graph (the runtime's here: {rt.lean.mlp_form})",
+                    "M", numbers["mlp_forms_us"])
+        numbers["kv_write_forms_us"] = kv_write_table(rt, args.tokens, max(3, args.repeat // 4), cuda)
+        print_forms("6. one layer's K and V write into the cache in three forms, µs inside a graph (the runtime's: "
+                    f"{rt.lean.kv_write})", "Q", numbers["kv_write_forms_us"])
+    run.finish(numbers)
 
 
 def print_forms(title: str, size: str, rows: list[tuple[int, dict[str, float]]]) -> None:
@@ -323,18 +274,18 @@ def print_forms(title: str, size: str, rows: list[tuple[int, dict[str, float]]])
         print(f"| {n} | {' | '.join(f'{us[name]:.2f}' for name in names)} |")
 
 
-def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> None:
-    """Sections 1-3: graph-replayed forwards per Q, GEMMs per shape, kernels per name."""
+def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> dict:
+    """Sections 1-3: graph-replayed forwards per Q, GEMMs per shape, kernels per name; printed, and returned."""
     replays = {q: graphed(body, cuda) for q, body in bodies.items()}
 
     print("\n1. the target forward of a Q-token block, one graph replay\n\n| Q | ms | vs Q=1 |\n|---:|---:|---:|")
-    ms = {q: replay_ms(replay, args.reps, cuda) for q, replay in replays.items()}
+    ms = {q: replay_ms(replay, args.repeat, cuda) for q, replay in replays.items()}
     for q, t in ms.items():
         print(f"| {q} | {t:.3f} | +{t - ms[args.tokens[0]]:.3f} |")
     other = next(form for form in MLP_FORMS if form != rt.lean.mlp_form)
     other_rt = prefilled_runtime(rt.model, args.prompt, other)  # the same weights: one forward against the other
     other_bodies = forward_bodies(other_rt, args.tokens)
-    other_ms = {q: replay_ms(graphed(body, cuda), args.reps, cuda) for q, body in other_bodies.items()}
+    other_ms = {q: replay_ms(graphed(body, cuda), args.repeat, cuda) for q, body in other_bodies.items()}
     print(f"\n1b. the same forward with the MLP in the {other} form (the runtime's: {rt.lean.mlp_form})\n\n"
           f"| Q | ms, {rt.lean.mlp_form} | ms, {other} | {other} − {rt.lean.mlp_form} |\n|---:|---:|---:|---:|")
     for q, t in ms.items():
@@ -343,20 +294,24 @@ def timings(rt: Runtime, bodies: dict, args: argparse.Namespace, cuda: bool) -> 
 
     print("\n2. one GEMM of each shape, µs inside a graph\n\n| matmul | M | F.linear(x, W) | x @ Wt |\n"
           "|---|---:|---:|---:|")
-    for name, m, linear, matmul_t in ([] if args.no_gemm else gemm_table(rt, args.tokens, max(3, args.reps // 4),
-                                                                           cuda)):
+    gemms = [] if args.no_gemm else gemm_table(rt, args.tokens, max(3, args.repeat // 4), cuda)
+    for name, m, linear, matmul_t in gemms:
         print(f"| {name} | {m} | {linear:.2f} | {matmul_t:.2f} |")
 
     base = kernel_profile(replays[args.tokens[0]], cuda)
+    kernels = {args.tokens[0]: base}
     print(f"\n3. kernels of one replay: µs per name, Q={args.tokens[0]} against each Q (largest growth first)")
     for q in args.tokens[1:]:
-        prof = kernel_profile(replays[q], cuda)
+        prof = kernels[q] = kernel_profile(replays[q], cuda)
         grow = sorted(set(base) | set(prof), key=lambda n: base.get(n, 0.0) - prof.get(n, 0.0))
         print(f"\nQ={q}: total {sum(prof.values()):.1f} µs against {sum(base.values()):.1f}\n\n"
               f"| kernel | µs at Q={args.tokens[0]} | µs at Q={q} | growth |\n|---|---:|---:|---:|")
         for name in grow[: args.top]:
             print(f"| `{name}` | {base.get(name, 0.0):.1f} | {prof.get(name, 0.0):.1f} | "
                   f"{prof.get(name, 0.0) - base.get(name, 0.0):+.1f} |")
+    return {"forward_ms": ms, f"forward_ms_{other}_mlp": other_ms,
+            "gemm_us": [{"matmul": n, "m": m, "linear": a, "x_at_wt": b} for n, m, a, b in gemms],
+            "kernel_us_per_replay": kernels}
 
 
 if __name__ == "__main__":

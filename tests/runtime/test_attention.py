@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv, rotate_half
 
 from hstap.runtime.attention import cache_attention, group_mask, grouped_o, rope_tables, rotary_qk
-from tests.bench_scripts import bench_script
+from hstap.runtime.census import elementwise_census
 
 HEADS, KV_HEADS, D = 9, 3, 64  # SmolLM2-135M's attention
 
@@ -21,16 +21,14 @@ def _tables(positions: torch.Tensor, dtype: torch.dtype):
 
 
 def test_the_rotary_runs_no_more_generic_elementwise_ops_for_a_block_than_for_one_query():
-    """A verification block pays per op what a one-token step pays (bench/verify_cost.py's census: on an H200 a
+    """A verification block pays per op what a one-token step pays (hstap.runtime.census: on an H200 a
     strided or broadcast op runs the generic kernel, ~0.8 µs dearer than a vectorised one). Before 2026-12-03
     the k sum ran on a strided slice from two queries on: 30 generic launches per SmolLM2 forward."""
-    bench = bench_script("verify_cost")
-
     def generic(queries: int) -> int:
         positions = torch.arange(queries)[None] + 300
         qkv = torch.randn(1, queries, HEADS + 2 * KV_HEADS, D)
         _, _, (cos, sin) = _tables(positions, torch.float32)
-        counts = bench.elementwise_census(lambda: rotary_qk(qkv, HEADS, KV_HEADS, cos, sin))
+        counts = elementwise_census(lambda: rotary_qk(qkv, HEADS, KV_HEADS, cos, sin))
         return sum(n for (_, layout), n in counts.items() if layout != "dense")
 
     assert generic(4) == generic(16) == generic(1) == 3  # the two products (they broadcast cos, sin) and the q sum

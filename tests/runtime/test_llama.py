@@ -13,8 +13,8 @@ from hstap.errors import HstapError
 from hstap.runtime.decode import left_pad
 from hstap.runtime.kv import KV_WRITES
 from hstap.runtime.llama import LeanLlama, gated_mlp, mlp_form_for
+from hstap.runtime.census import elementwise_census
 from hstap.runtime.target import Runtime
-from tests.bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,9 @@ def test_both_forms_are_as_close_to_exact_as_transformers_mlp(target, forms, row
 
 
 def test_the_batched_form_is_dense_at_every_width(forms):
-    bench = bench_script("verify_cost")
-
     def strided(form: str, queries: int) -> int:
         x = torch.randn(1, queries, forms[form].layers[0].ln1.shape[0])
-        counts = bench.elementwise_census(lambda: gated_mlp(forms[form].layers[0], x))
+        counts = elementwise_census(lambda: gated_mlp(forms[form].layers[0], x))
         return sum(n for (_, layout), n in counts.items() if layout != "dense")
 
     assert [strided("batched", q) for q in (1, 4, 16)] == [0, 0, 0]

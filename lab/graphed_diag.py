@@ -1,7 +1,7 @@
 """Why the graphed trainer's capture fails on a GPU where bench/train_throughput.py --graph captures: the GPU test
 tests/train/test_graphed.py::test_replayed_steps_equal_eager_steps_and_accumulate_like_backward, with variants.
 
-    python bench/graphed_diag.py VARIANT     # base | warn-error | del-loss | plain-mm | gc | no-eager-first | trainer
+    python lab/graphed_diag.py VARIANT     # base | warn-error | del-loss | plain-mm | gc | no-eager-first | trainer
 
 Prints whether the two shapes captured and, with warn-error, where autograd saw an AccumulateGrad node on
 another stream (the warning turned into an exception: its traceback names the step)."""
@@ -12,10 +12,11 @@ import gc
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests/'s helpers
 from hstap.train import graphed as G  # noqa: E402
 from hstap.train import shared  # noqa: E402
 from hstap.train.graphed import GraphedTTT, bucket_length, pad_batch  # noqa: E402

@@ -2,8 +2,8 @@
 # One device session on 1 or 2 H200s (kinds nvidia-h200, nvidia-h200-x2): what each figure in docs/ came from.
 # With one GPU, phase A and B3 (both need two) are skipped and the two lanes of phase B run one after the other.
 #
-#   bash bench/h200_session.sh start     # call 1: set up, then run phase A (8B shapes, no assets needed) detached
-#   bash bench/h200_session.sh status    # any later call: progress, and the result files copied into $OUT
+#   bash lab/h200_session.sh start     # call 1: set up, then run phase A (8B shapes, no assets needed) detached
+#   bash lab/h200_session.sh status    # any later call: progress, and the result files copied into $OUT
 #
 # Phase A (issue 14): drafter training throughput on 1 vs 2 GPUs (8B shape, DDP), tensor-parallel capture of a
 # random 8B checkpoint over 2 GPUs vs 1 (hstap compare, alone and against an fp32 capture) and the tap's overhead on the TP prefill.
@@ -158,9 +158,9 @@ b3() {  # 2 GPUs vs 1 GPU x 2 accumulated batches, same seed and global batch; a
   step b3_one_accum2 env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --grad-accum 2 --out "$RUN/one"
   step b3_preempted env HSTAP_FAULT=step-done:20 $TR --nproc_per_node 2 -m hstap.cli $T --out "$RUN/pre"
   step b3_resumed env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --grad-accum 2 --resume --out "$RUN/pre"
-  step b3_compare $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/one" --labels "2 GPUs" "1 GPU, grad-accum 2" \
+  step b3_compare $PY lab/compare_losses.py "$RUN/ddp2" "$RUN/one" --labels "2 GPUs" "1 GPU, grad-accum 2" \
     --out "$RUN/figs/loss_2gpu_vs_1gpu.png"
-  step b3_compare_resumed $PY bench/compare_losses.py "$RUN/ddp2" "$RUN/pre" --labels "2 GPUs" \
+  step b3_compare_resumed $PY lab/compare_losses.py "$RUN/ddp2" "$RUN/pre" --labels "2 GPUs" \
     "2 GPUs to step 20, resumed on 1 GPU" --out "$RUN/figs/loss_resumed.png"
   for r in ddp2 one pre; do cp "$RUN/$r/metrics.jsonl" "$RUN/results/b3_$r.metrics.jsonl" 2>/dev/null; done
 }
@@ -171,7 +171,7 @@ case ${1:-status} in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
     if [ "$NGPU" -gt 1 ]; then phases="phase_a && phase_b"; else phases="phase_b"; fi
-    setsid nohup bash -c "source '$REPO/bench/h200_session.sh' source && $phases" > "$RUN/logs/master.log" 2>&1 < /dev/null &
+    setsid nohup bash -c "source '$REPO/lab/h200_session.sh' source && $phases" > "$RUN/logs/master.log" 2>&1 < /dev/null &
     sleep 5; cat "$RUN/progress" 2>/dev/null; cat "$RUN/logs/gpus.txt" ;;
   status)
     cat "$RUN/progress" 2>/dev/null; tail -n 3 "$RUN/logs/master.log" 2>/dev/null

@@ -2,10 +2,10 @@
 best cumulative draft log-probability; with log_softmax(logits / T) instead, T < 1 favours deep confident
 branches and T > 1 broad ones. If the drafter's probabilities were miscalibrated, some T ≠ 1 would accept more.
 
-    python bench/tree_temperature.py --temperatures 1.0 0.7 1.5 --limit 16 --max-new-tokens 128
+    python lab/tree_temperature.py --temperatures 1.0 0.7 1.5 --limit 16 --max-new-tokens 128
 
 The drafter's greedy draft is otherwise unchanged: `draft_tree` is called with a fixed `scale` of T, the hook
-the sampled tree uses for its temperature (hstap.runtime.draft). Prompts: `limit` MT-bench first turns spread
+the sampled tree uses for its temperature (hstap.runtime.proposals). Prompts: `limit` MT-bench first turns spread
 evenly over the 80 (every 80 // limit-th), so all eight categories are in. fp32 on a CPU: τ only, no timing.
 """
 
@@ -19,7 +19,8 @@ import time
 import torch
 
 import hstap.runtime.spec as spec
-from hstap.evaluate.run import evaluate_shapes, load_drafter, load_prompts
+from hstap.drafter.load import load_drafter
+from hstap.evaluate.run import evaluate_shapes, load_prompts
 from hstap.models import load_target
 from hstap.runtime.shapes import DraftShape
 

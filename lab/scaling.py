@@ -1,14 +1,14 @@
 """Drafter quality against training tokens: MT-bench τ per decoding method, fitted as τ = a + b·log2(tokens).
 
 Why this exists: issue 12 asks for "the curve that shows where it saturates". The measurements are spread over
-docs/benchmarks.md (one GPU run per section); docs/logs/scaling.json gathers them, one row per drafter (80
+docs/benchmarks.md (one GPU run per section); lab/logs/scaling.json gathers them, one row per drafter (80
 MT-bench questions, 256 new tokens, greedy, bf16, batch 1, one H200; CPU-replayed τ left out). A user reads this
 to plan a training budget: b is the τ one more doubling of the tokens buys, the goal rows say how many tokens the
 fit needs to reach a τ, and the local slope (the last two drafters of the lineage) shows whether the curve is
 flattening below the fit.
 
-    python bench/scaling.py                                   # the shipped lineage, goals chain:3=3.0, tree:8,8,60=4.5
-    python bench/scaling.py --goal tree:4,4,16=4.0 --plot docs/figs/scaling.png
+    python lab/scaling.py                                   # the shipped lineage, goals chain:3=3.0, tree:8,8,60=4.5
+    python lab/scaling.py --goal tree:4,4,16=4.0 --plot docs/figs/scaling.png
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def parse_goals(specs: list[str]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("docs/logs/scaling.json"))
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "logs" / "scaling.json")
     ap.add_argument("--chain", default="shipped", help="the lineage to fit (a value of the rows' 'chain')")
     ap.add_argument("--goal", action="append", metavar="METHOD=TAU",
                     help=f"repeatable; default {' '.join(DEFAULT_GOALS)}")

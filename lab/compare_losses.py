@@ -1,6 +1,6 @@
 """Two training runs' loss curves side by side: a plot and the numbers (e.g. 2 GPUs vs 1 GPU with --grad-accum 2).
 
-    python bench/compare_losses.py runs/ddp2 runs/one --labels "2 GPUs" "1 GPU, grad-accum 2" --out loss.png
+    python lab/compare_losses.py runs/ddp2 runs/one --labels "2 GPUs" "1 GPU, grad-accum 2" --out loss.png
 
 Reads each run's metrics.jsonl (train records: step, loss). Prints, over the steps both runs logged, the largest
 and the mean relative difference of the logged losses and the last held-out evaluation of each run.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `hstap capture` into a real full filesystem: a 20 MB tmpfs, 17 MB of it taken by a filler file (needs root).
 #
-#     sudo bash bench/disk_full_tmpfs.sh [/mnt/hstap-tmpfs]
+#     sudo bash lab/disk_full_tmpfs.sh [/mnt/hstap-tmpfs]
 #
 # 1. refused up front by the estimate (exit 2, one line);
 # 2. --force: the write that hits ENOSPC ends the run in one line (exit 2), no .tmp is left, the store verifies;

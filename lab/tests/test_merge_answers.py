@@ -1,4 +1,4 @@
-"""bench/merge_answers.py: an earlier session's answers join this session's by prompt content, not by record id
+"""lab/merge_answers.py: an earlier session's answers join this session's by prompt content, not by record id
 (another prompt seed reuses Magpie and code ids for different prompts)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.bench_scripts import bench_script
+import merge_answers
 
 
 def _record(rid: str, *turns: str) -> dict:
@@ -27,7 +27,7 @@ def test_prompts_are_matched_by_content_and_kept_once(tmp_path):
                    _record("sharegpt-b_0", "what is chicken", "A bird."),  # the same prompt, another id
                    _record("sharegpt-c_1", "hi", "Hello!", "what is chicken", "A bird, as I said."),  # later turn
                    _record("magpie-0000002", "Write a haiku about rain.", "Rain again...")])  # duplicate in prior
-    counts = bench_script("merge_answers").merge(new, [prior])
+    counts = merge_answers.merge(new, [prior])
     assert counts == {"this_session": 2, "prior_added": 2, "prior_answered_again": 2}
     kept = [json.loads(line) for line in new.read_text().splitlines()]
     assert [r["id"] for r in kept] == ["magpie-0000001", "sharegpt-a_0", "magpie-0000001", "sharegpt-c_1"]
@@ -39,10 +39,10 @@ def test_a_record_without_messages_is_one_line_naming_file_and_line(tmp_path):
     _write(new, [_record("a", "q", "a")])
     prior.write_text(json.dumps(_record("b", "q2", "a2")) + "\n" + json.dumps({"id": "c", "messages": []}) + "\n")
     with pytest.raises(ValueError, match=r"synth0\.jsonl:2: field 'messages' must be a non-empty list"):
-        bench_script("merge_answers").merge(new, [prior])
+        merge_answers.merge(new, [prior])
     prior.write_text("\n" + json.dumps(_record("b", "q2", "a2")) + "\n{truncated\n")  # a blank line is no record
     with pytest.raises(ValueError, match=r"synth0\.jsonl:3: not a JSON record .*one object per line"):
-        bench_script("merge_answers").merge(new, [prior])
+        merge_answers.merge(new, [prior])
 
 
 def test_unanswered_leaves_out_first_turns_a_prior_session_answered(tmp_path):
@@ -54,6 +54,6 @@ def test_unanswered_leaves_out_first_turns_a_prior_session_answered(tmp_path):
     _write(prompts, [{**r, "source": r["id"].split("-")[0]} for r in records])
     _write(prior, [_record("sharegpt-z_0", "what is chicken", "A bird."),  # same first turn, another id
                    _record("magpie-0000001", "Write a haiku about rain.", "Rain taps...")])  # same id only
-    counts = bench_script("merge_answers").unanswered(prompts, out, [prior])
+    counts = merge_answers.unanswered(prompts, out, [prior])
     assert counts == {"prompts": 3, "kept": 2, "answered_before": 1, "answered_before_by_source": {"sharegpt": 1}}
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["magpie-0000001", "code-x@1-explain"]

@@ -4,7 +4,7 @@ capture of the same conversations); then their held-out figures at every epoch s
 --mtbench N, τ on N MT-bench first turns replayed on the target's greedy answers (hstap.train.replay, fp32) for
 n-gram 3, chain 3 and hybrid 4,2. Seeds given together run one after another.
 
-    python bench/train_ab.py --store runs/store --out runs/ab --a loss_on=answers --b loss_on=all \
+    python lab/train_ab.py --store runs/store --out runs/ab --a loss_on=answers --b loss_on=all \
         --epochs 4 --ttt-steps 3 --draft-vocab 8192 --seeds 0 1 --mtbench 80 --max-new-tokens 128
 """
 
@@ -63,7 +63,8 @@ def heldout_table(a: Path, b: Path, chain: int, name: str = "B") -> None:
 
 
 def mtbench_table(runs: dict[str, Path], limit: int, max_new_tokens: int) -> None:
-    from hstap.evaluate.run import load_drafter, load_prompts
+    from hstap.drafter.load import load_drafter
+    from hstap.evaluate.run import load_prompts
     from hstap.models import load_target
     from hstap.runtime.shapes import DraftShape
     from hstap.train.replay import chain_runs, greedy_answers, replay

@@ -1,11 +1,11 @@
 """Replace the package's shipped drafter with one a GPU session trained, and record the session in its provenance.
 
-    python bench/ship_drafter.py /tmp/run/drafter_bf16 --run-dir /tmp/run/drafter \
-        --spec-log docs/logs/h200-DATE/spec_b1.jsonl --note "docs/logs/h200-DATE (the Nth GPU run)" \
-        --command "bash bench/h200_recipe.sh start" [--name smollm2-recipe]
+    python lab/ship_drafter.py /tmp/run/drafter_bf16 --run-dir /tmp/run/drafter \
+        --spec-log lab/logs/h200-DATE/spec_b1.jsonl --note "lab/logs/h200-DATE (the Nth GPU run)" \
+        --command "bash lab/h200_recipe.sh start" [--name smollm2-recipe]
 
 DRAFTER is the bf16 copy without the embedding that the recipe ships back (`ship_drafter` in
-bench/h200_recipe.sh); --run-dir holds that run's metrics.jsonl and train_config.json (steps, tokens, settings);
+lab/h200_recipe.sh); --run-dir holds that run's metrics.jsonl and train_config.json (steps, tokens, settings);
 --spec-log is the MT-bench log of that drafter (`bench/spec_decode.py --log`), whose τ and speedups are recorded.
 Refused when the new drafter is for another target or layers, or when the run did not start from the shipped one
 (`--init-from NAME`, or `--continued-from PATH` for a second training in one session from the drafter its first
@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ beside this file, for spec_decode's summary
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # for bench/spec_decode.py's summary
 
 from spec_decode import summary  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The GPU recipe's next calls rehearsed on the CPU: every command that `bench/h200_recipe.sh mfu` and `pair` (and
+"""The GPU recipe's next calls rehearsed on the CPU: every command that `lab/h200_recipe.sh mfu` and `pair` (and
 `graphs`) would run parses with the parser of the program it calls (hstap's, a bench script's, torchrun's
 target's), and every test file they name exists. A device session is 30 minutes, and the machine goes back 30 s
 after a call: a renamed flag found there costs a step of it (the eighteenth session's phases have never run).
@@ -22,7 +22,7 @@ import pytest
 from hstap.cli import COMMANDS, build_parser
 from hstap.config import config_from_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the recipe runs from there
 PHASES = ["phase_mfu_short", "phase_mfu", "phase_pair", "phase_graphs"]  # the next GPU calls' phases (docs/distributed.md, issue 15)
 
 
@@ -34,7 +34,7 @@ def recorded(phase: str, tmp_path: Path) -> list[list[str]]:
     # this interpreter and this model cache for what the phase runs itself (the device's python3 finds hstap on its
     # PYTHONPATH; its cache is the session's)
     script = f"""
-        source bench/h200_recipe.sh source
+        source lab/h200_recipe.sh source
         export HSTAP_CACHE='{cache_root()}'; PY='{sys.executable}'
         HSTAP="$PY -m hstap.cli"; TR="$PY -m torch.distributed.run --standalone"
         step() {{ shift; printf '%s\\0' "$@" >> '{record}'; printf '\\n\\0' >> '{record}'; }}

@@ -1,8 +1,8 @@
 """Append an earlier session's regenerated answers to this session's, leaving out prompts answered again; and,
 before synth, leave out of a prompt set the first turns an earlier session already answered.
 
-    python bench/merge_answers.py merge RUN/synth.jsonl PRIOR/synth0.jsonl [PRIOR/synth1.jsonl ...]
-    python bench/merge_answers.py unanswered RUN/prompts.jsonl RUN/new_prompts.jsonl PRIOR/synth0.jsonl ...
+    python lab/merge_answers.py merge RUN/synth.jsonl PRIOR/synth0.jsonl [PRIOR/synth1.jsonl ...]
+    python lab/merge_answers.py unanswered RUN/prompts.jsonl RUN/new_prompts.jsonl PRIOR/synth0.jsonl ...
 
 Both print their counts as one JSON line.
 

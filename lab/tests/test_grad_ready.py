@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch
 
+import grad_ready
+import train_throughput as tt
 from hstap.train import shared
-from tests.bench_scripts import bench_script
 
 
 def test_the_heads_gradient_is_final_first_and_the_layers_only_after_the_unroll():
-    grad_ready = bench_script("grad_ready")
-    tt = bench_script("train_throughput")
     shape = tt.SHAPES["smollm2"]
     torch.manual_seed(0)
     cfg = grad_ready.DrafterConfig(**shape, draft_vocab_size=512, aux_layer_ids=[1, 14, 26], target_model_id="t",

@@ -4,7 +4,7 @@ it shows about the step — the TTT steps' weight gradients summed inside the ma
 
 from __future__ import annotations
 
-from tests.bench_scripts import bench_script
+import step_ops
 
 SMALL = dict(shape="smollm2", draft_vocab=512, seq=64, batch=2, ttt_steps=3)
 
@@ -14,7 +14,6 @@ def _weight_adds(ops, shapes) -> int:
 
 
 def test_weight_gradients_summed_in_the_matmuls_leave_no_weight_sized_adds():
-    step_ops = bench_script("step_ops")
     d = step_ops.SHAPES["smollm2"]
     h, i, hd = d["hidden_size"], d["intermediate_size"], d["head_dim"]
     qkv = ((d["num_attention_heads"] + 2 * d["num_key_value_heads"]) * hd, 2 * h)
@@ -29,7 +28,6 @@ def test_weight_gradients_summed_in_the_matmuls_leave_no_weight_sized_adds():
 
 
 def test_the_census_counts_each_kernel_once_forward_and_backward():
-    step_ops = bench_script("step_ops")
     ops = step_ops.trace_step(**SMALL)
     calls = lambda name: sum(op.name == name for op in ops)  # noqa: E731
     steps = SMALL["ttt_steps"]

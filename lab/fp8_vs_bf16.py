@@ -1,8 +1,8 @@
 """fp8 store vs bf16 store (issue 15): the same conversations captured both ways, a drafter trained from each with
 the same seed and steps, and the τ of both — held-out estimate always, MT-bench chain-3 with `--eval`.
 
-    python bench/fp8_vs_bf16.py --data jsonl:runs/demo/synth.jsonl --out runs/fp8cmp            # CPU, tiny sizes
-    python bench/fp8_vs_bf16.py --data jsonl:synth.jsonl --out runs/fp8cmp --device cuda --eval  # the GPU recipe
+    python lab/fp8_vs_bf16.py --data jsonl:runs/demo/synth.jsonl --out runs/fp8cmp            # CPU, tiny sizes
+    python lab/fp8_vs_bf16.py --data jsonl:synth.jsonl --out runs/fp8cmp --device cuda --eval  # the GPU recipe
 
 Sizes come from `--preset` (cpu: the `make demo` sizes; gpu: the SmolLM2 recipe of docs/benchmarks.md, TTT 7, a
 16k draft vocabulary, 32k-token batches), any of them overridable. Every stage resumes: a capture continues its

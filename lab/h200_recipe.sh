@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU recipe in one device session on 1 or 2 H200s: issue 12's larger data set and drafter; with two GPUs
 # also issue 14's loss-curve comparison (2 GPUs vs 1 GPU with --grad-accum 2, and a 2-GPU run preempted and
-# resumed on 1 GPU) and a drafter on a third of the data. Uses the helpers of bench/h200_session.sh.
+# resumed on 1 GPU) and a drafter on a third of the data. Uses the helpers of lab/h200_session.sh.
 #
 #   BUDGET_MB=30 ../shared/tools/gpu-assets prepare   # here, first: 4 parts, since the shipped drafter (21 MB)
 #     travels with every call's working tree (64 MiB a call)
-#   bash bench/h200_recipe.sh start     # after .gpu/1 is unpacked: set up, then run everything detached
-#   python bench/ship_drafter.py ...    # here, after the session: the drafter it shipped back replaces the
+#   bash lab/h200_recipe.sh start     # after .gpu/1 is unpacked: set up, then run everything detached
+#   python lab/ship_drafter.py ...    # here, after the session: the drafter it shipped back replaces the
 #     package's (hstap/drafter/shipped/smollm2-recipe), with the session in its provenance.json
-#   bash bench/h200_recipe.sh status    # any later call: progress; results (and, once, the data) into $OUT
-#   INIT=drafter4 SYNTH_S=240 bash bench/h200_recipe.sh cont   # a later device call of the SAME session: continue
+#   bash lab/h200_recipe.sh status    # any later call: progress; results (and, once, the data) into $OUT
+#   INIT=drafter4 SYNTH_S=240 bash lab/h200_recipe.sh cont   # a later device call of the SAME session: continue
 #     a drafter an earlier call shipped back (.gpu/data is outside git: it does not outlive the session)
 #     (call 1 carries .gpu/1 and .whl; call 2 .gpu/2 and .gpu/data/data.tar.xz.part00; call 3 .gpu/3 and the
 #     drafter's two parts .gpu/data/$INIT.tar.xz.part0[01]: under 64 MiB a call)
@@ -58,7 +58,7 @@
 # KV_AB=1: R4 also decodes vanilla and chain 3 on 40 questions with the target cache written by index_copy
 #    (bench/spec_decode.py --kv-write index_copy), against the scatter of the main MT-bench run.
 # CONTINUOUS=1: R4 ends with bench/continuous.py, static batches vs refilled rows at synth's batch size.
-# `bash bench/h200_recipe.sh measure` (AFTER_AB optional): a short session's phase_m instead: the runtime's GPU tests,
+# `bash lab/h200_recipe.sh measure` (AFTER_AB optional): a short session's phase_m instead: the runtime's GPU tests,
 #    bench/verify_cost.py and MT-bench of the shipped drafter, then the AFTER_AB A/B on ~100 s of synth.
 # AFTER_AB="FLAGS": after ALL DONE, two drafters from zero on the same answers, the second with FLAGS, AFTER_AB_STEPS
 #    steps each (default 300), then MT-bench prompt lookup, chain 3 and the big tree beside each (phase_ab; issue
@@ -67,22 +67,22 @@
 #    (fetch_prior, add_prior), carried in as .gpu/data/prior.tar.xz.part00..: each part in a call of its own right
 #    after call 2 (with .gpu/2 and the shipped drafter in the working tree a 15-MB part passes the 64 MiB a call:
 #    refused on 2026-12-03). The answers come back from every session in $OUT's data.tar.xz parts; merge them
-#    into the prior ones here for the next session (bench/merge_answers.py merge, then one xz part: the eleventh
+#    into the prior ones here for the next session (lab/merge_answers.py merge, then one xz part: the eleventh
 #    and twelfth runs' 33,432 answers are 7.6 MB).
 # SYNTH_BATCH=512: R2's synth rows per batch (default 256). bench/synth.py on 2026-12-04: the default path at 65k
 #    generated tok/s at 256, 85k at 512 (1,024 ShareGPT prompts x 256 tokens); not yet tried in a recipe run, where
 #    synth keeps twice the batch in flight and its KV slots within 40 % of the device's memory.
-# `bash bench/h200_recipe.sh regen`: issue 12's last regeneration A/B (loops cut, a 256-token answer cap, each
+# `bash lab/h200_recipe.sh regen`: issue 12's last regeneration A/B (loops cut, a 256-token answer cap, each
 #    against the 384-token greedy base; phase_regen, ~16 min of device time). Ran on 2026-12-04 (the fifteenth
 #    run): loops cut -0.008 chain / -0.054 tree (both within noise), the 256 cap +0.028 chain (+0.003..+0.051) /
 #    +0.001 tree at equal steps, with 22 % more prompts answered per synth second.
-# `bash bench/h200_recipe.sh graphs`: issue 15's CUDA-graphed trainer step (phase_graphs, ~9 min of device time):
+# `bash lab/h200_recipe.sh graphs`: issue 15's CUDA-graphed trainer step (phase_graphs, ~9 min of device time):
 #    the drafter step with and without graphs, its GPU test, the online trainer's real batches, and two short
 #    `hstap train --online` runs, without and with --cuda-graphs.
-# `bash bench/h200_recipe.sh mfu`: issue 15's 55 % MFU, the eighteenth session's step changes side by side
+# `bash lab/h200_recipe.sh mfu`: issue 15's 55 % MFU, the eighteenth session's step changes side by side
 #    (phase_mfu, ~24 min of device time): Triton merge vs one flex kernel vs cuDNN's prefix, plain and graphed, the
 #    weight-gradient and merge A/Bs, 8,192, a profile, the GPU tests, then phase_graphs' trainer half. Carry .gpu/1 and .whl in call 1,
-#    .gpu/2-4 in calls 2-4 (`bash .gpu/N/unpack.sh && bash bench/h200_recipe.sh status`), then status polls.
+#    .gpu/2-4 in calls 2-4 (`bash .gpu/N/unpack.sh && bash lab/h200_recipe.sh status`), then status polls.
 # SYNTH_NEW=384: R2's answer cap in tokens (default 256 since that A/B; 384 before).
 # SYNTH_T=0.7: R2 regenerates sampled answers (on the CPU, 26 of 57 greedy answers ended in a repetition loop,
 #    6 of 57 sampled ones; but on the H200 on 2026-12-04 drafters trained on sampled answers were 0.045 tau worse in
@@ -165,10 +165,10 @@ fetch_prior() {  # fetch_prior N: an earlier session's answers (data parts shipp
 }
 
 add_prior() {  # after synth: the prior answers appended to synth.jsonl, except prompts this session answered again
-  # (compared by content, bench/merge_answers.py: record ids repeat across prompt seeds). Counted in
+  # (compared by content, lab/merge_answers.py: record ids repeat across prompt seeds). Counted in
   # results/prior.json; never shipped back again (the next session gets them from here: see the header)
   ls "$RUN"/prior/synth[0-9].jsonl > /dev/null 2>&1 || return
-  $PY "$REPO/bench/merge_answers.py" merge "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json"
+  $PY "$REPO/lab/merge_answers.py" merge "$RUN/synth.jsonl" "$RUN"/prior/synth[0-9].jsonl > "$RUN/results/prior.json"
   cat "$RUN/results/prior.json" >> "$RUN/progress"
 }
 
@@ -226,7 +226,7 @@ provenance.json'))['sessions']))" 2>/dev/null || echo 0)}
   # new prompts; the merge after synth adds the prior answers
   local todo="$P"
   if [ -n "${PRIOR_PARTS:-}" ] && fetch_prior "$PRIOR_PARTS" && [ "${TURNS:-first}" = first ]; then
-    $PY "$REPO/bench/merge_answers.py" unanswered "$P" "$RUN/unanswered.jsonl" "$RUN"/prior/synth[0-9].jsonl \
+    $PY "$REPO/lab/merge_answers.py" unanswered "$P" "$RUN/unanswered.jsonl" "$RUN"/prior/synth[0-9].jsonl \
       > "$RUN/results/prior_prompts.json" && todo="$RUN/unanswered.jsonl"
     cat "$RUN/results/prior_prompts.json" >> "$RUN/progress"
   fi
@@ -642,7 +642,7 @@ phase_pair() {  # issue 14 on two H200s (kind nvidia-h200-x2), what is left of i
   # P4: CUDA graphs on 2 GPUs (gradients all-reduced after the replayed backward) against 1 GPU, grad-accum 2
   step p4_graphs_2gpu $TR --nproc_per_node 2 -m hstap.cli $T --cuda-graphs --out "$RUN/g2"
   step p4_graphs_1gpu env CUDA_VISIBLE_DEVICES=0 $HSTAP $T --cuda-graphs --grad-accum 2 --out "$RUN/g1"
-  step p4_compare $PY bench/compare_losses.py "$RUN/g2" "$RUN/g1" --labels "2 GPUs, graphed" \
+  step p4_compare $PY lab/compare_losses.py "$RUN/g2" "$RUN/g1" --labels "2 GPUs, graphed" \
     "1 GPU, graphed, grad-accum 2" --out "$RUN/figs/loss_graphs_2gpu_vs_1gpu.png"
   for r in g2 g1; do cp "$RUN/$r/metrics.jsonl" "$RUN/results/p4_$r.metrics.jsonl" 2>/dev/null; done
   bundle
@@ -717,9 +717,9 @@ launch() {  # launch PHASE: call 1 of a session: the wheels the image lacks, the
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$RUN/logs/gpus.txt" 2>&1
   rm -rf /tmp/hrepo && mkdir -p /tmp/hrepo && cp -r "$REPO"/hstap "$REPO"/bench "$REPO"/tests "$REPO"/pyproject.toml \
-    /tmp/hrepo/
+    /tmp/hrepo/ && mkdir -p /tmp/hrepo/lab && cp "$REPO"/lab/*.sh "$REPO"/lab/*.py /tmp/hrepo/lab/
   ln -sfn "$REPO/.gpu" /tmp/hrepo/.gpu
-  setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && $1" > "$RUN/logs/master.log" 2>&1 \
+  setsid nohup bash -c "source /tmp/hrepo/lab/h200_recipe.sh source && $1" > "$RUN/logs/master.log" 2>&1 \
     < /dev/null &
   sleep 3; cat "$RUN/logs/gpus.txt"
 }
@@ -750,7 +750,7 @@ case ${1:-status} in
   pair) launch phase_pair ;;  # call 1 on nvidia-h200-x2 (with .gpu/1 and .whl): issue 14's remaining figures
   regen) launch phase_regen ;;  # call 1 (with .gpu/1 and .whl): the loops / length-cap A/B (phase_regen)
   more)
-    setsid nohup bash -c "source /tmp/hrepo/bench/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
+    setsid nohup bash -c "source /tmp/hrepo/lab/h200_recipe.sh source && phase_more" > "$RUN/logs/more.log" 2>&1 \
       < /dev/null &
     sleep 1; cat "$RUN/progress" ;;
   source) ;;
