@@ -37,7 +37,7 @@ Dtype = Literal["bf16", "fp16", "fp32"]  # what a model computes in (eval, expor
 StoreDtype = Literal["bf16", "fp16", "fp32", "fp8"]
 Loops = Literal["keep", "cut"]  # answers ending in a repetition loop (hstap/data/loops.py)
 LOOPS_HELP = ("answers that end in a repetition loop: keep them whole, or cut them after the loop's first repeat "
-              "(the rest out of the loss; counted as loop_cut)")
+              "(the rest out of the loss)")
 LEGACY_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # stores written before 2026-12
 TENSOR_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int64", "int32", "int16", "uint8", "bool")
 

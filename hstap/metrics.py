@@ -20,9 +20,9 @@ def acceptance_length(generated_tokens: int, verify_forwards: int) -> float:
 def tau_interval(pairs: list[tuple[int, int]], level: float = 0.95, resamples: int = 2000,
                  seed: int = 0) -> tuple[float, float]:
     """Percentile-bootstrap interval of τ over prompts, from each prompt's (generated tokens, verification
-    forwards): how far τ could move on another draw of prompts like these. On MT-bench's 80 questions the big
-    tree's τ of 4.22 spans 4.00-4.49 (2026-12-03), so a goal 0.3 away is not reached or missed by one run's second
-    decimal."""
+    forwards): how far τ could move on another draw of prompts like these. On MT-bench's 80 questions a big tree's
+    τ of about 4.2 spans about half a token (docs/benchmarks.md), so a goal 0.3 away is not reached or missed by one
+    run's second decimal."""
     return tau_difference_interval(pairs, None, level, resamples, seed)
 
 

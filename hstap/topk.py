@@ -4,10 +4,11 @@ equal values — so top-k runs over k·block gathered candidates instead of the 
 
     values, ids = block_topk(x, k)               # same as x.topk(k, dim=-1) up to the order of tied ids
 
-Why: `torch.topk` over a long row is a multi-pass radix select on CUDA (`gatherTopK`). On an H200 it was most of
-an 8B top-32 teacher's reduction (7.7 ms per 8,192 × 128,256 logits) and 567 µs of a 3.73-ms tree:8,8,60
-decoding cycle (seven 8 × 16,384 draft-vocabulary rows, 81 µs each; docs/benchmarks.md), while the block maxima
-are one bandwidth-bound reduction and the candidates' top-k is a small one.
+Why: `torch.topk` over a long row is a multi-pass radix select on CUDA (`gatherTopK`): it was most of an 8B top-32
+teacher's reduction (8,192 × 128,256 logits) and ~15 % of a tree:8,8,60 decoding cycle (seven 8 × 16,384
+draft-vocabulary rows; docs/benchmarks.md has the timings), while the block maxima are one bandwidth-bound
+reduction and the candidates' top-k is a small one. E.g. k = 32 over 128,256 columns in blocks of 128: one pass
+for 1,002 block maxima, then top-k over 32 × 128 = 4,096 candidates instead of 128,256.
 """
 
 from __future__ import annotations

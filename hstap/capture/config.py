@@ -11,13 +11,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.config import LOOPS_HELP, Device, Dtype, Loops, StoreDtype, TeacherSpec, option, parse_duration
+from hstap.store.config import HIDDEN_DTYPE, SHARD_MB
 
 LAYERS_HELP = "'auto' = [1, L//2-1, L-4], or canonical ids like 1,14,26"
 VllmRoute = Literal["extension", "extract"]
-VLLM_ROUTE_HELP = ("vLLM capture route: extension (hstap's worker extension hooks the layers; needs --enforce-eager) "
-                   "or extract (vLLM's extract_hidden_states method writes a file per request, capture-remote turns "
-                   "them into the store; keeps CUDA graphs)")
+# extract: vLLM's extract_hidden_states method writes a file per request, which capture-remote turns into the store
+VLLM_ROUTE_HELP = ("vLLM route: extension (hstap's hooks, needs --enforce-eager) or extract (extract_hidden_states, "
+                   "keeps CUDA graphs)")
 DTYPE_HELP = "hidden-state storage dtype; fp8 = e4m3 with a scale per token and layer (about half of bf16's bytes)"
+MAX_TOKENS = 2048  # longest sample, in tokens: `hstap capture` and `hstap capture-remote` render alike
+# The store an engine's taps write (`hstap sglang-flags`/`vllm-flags`, `hstap serve --capture-dir`): the defaults of
+# hstap.capture.engine_session.EngineCaptureConfig, which `serve` builds without these flags.
+ENGINE_SHARD_MB = 64
+ENGINE_FLUSH_S = 1.0
 
 
 def layers_text(value):
@@ -38,18 +44,17 @@ class CaptureConfig(BaseModel):
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     out: Path = option(help="store directory (re-run to resume)")
     layers: str = option("auto", LAYERS_HELP)
-    dtype: StoreDtype = option("bf16", DTYPE_HELP)
-    target_dtype: Dtype | None = option(None, "what the target computes in (default: fp32 on CPU, bf16 on CUDA); "
-                                              "fp32 on CUDA captures the reference `hstap compare --reference` "
-                                              "judges two bf16 captures against")
+    dtype: StoreDtype = option(HIDDEN_DTYPE, DTYPE_HELP)
+    target_dtype: Dtype | None = option(None, "what the target computes in (default: fp32 on CPU, bf16 on CUDA; fp32 "
+                                              "on CUDA: a reference for `hstap compare --reference`)")
     teacher: TeacherSpec = option(TeacherSpec(), "topk:K (the target's top-k log-probs) or hidden (final norm)",
                                   metavar="topk:K|hidden")
     batch_tokens: int = option(4096, "padded tokens per prefill forward", gt=0)
-    max_tokens: int = option(2048, "longest sample, in tokens", gt=0)
+    max_tokens: int = option(MAX_TOKENS, "longest sample, in tokens", gt=0)
     overlong: Literal["truncate", "skip"] = option("truncate", "what to do with samples past --max-tokens")
     loops: Loops = option("keep", LOOPS_HELP)
     device: Device = option("cpu", "cpu | cuda | cuda:N")
-    shard_mb: float = option(256, "target shard size in MiB", gt=0)
+    shard_mb: float = option(SHARD_MB, "target shard size in MiB", gt=0)
     commit_every: float = option(60.0, "commit buffered samples as a shard at least this often (90s, 5m): a kill "
                                        "loses at most this much work", metavar="DURATION", gt=0)
     force: bool = option(False, "capture even when free disk space looks short")
@@ -80,7 +85,7 @@ class RemoteCaptureConfig(BaseModel):
     capture_dir: Path = option(help="the directory the server's taps write")
     model: str = option("smollm2", "tokenizer: 'smollm2' or the served checkpoint dir")
     served_model: str | None = option(None, "the `model` field to send (default: none)")
-    max_tokens: int = option(2048, "longest sample, as for hstap capture", gt=0)
+    max_tokens: int = option(MAX_TOKENS, "longest sample, as for hstap capture", gt=0)
     loops: Loops = option("keep", f"{LOOPS_HELP}, as for hstap capture")
     limit: int | None = option(None, "use the first N usable conversations", ge=1)
     concurrency: int = option(4, "requests in flight", ge=1)
@@ -100,9 +105,9 @@ class EngineFlagsConfig(BaseModel):
     model: str = option(help="'smollm2' or the served checkpoint directory (its config.json is read)")
     layers: str = option("auto", LAYERS_HELP)
     out: Path = option(help="capture directory (the store the engine writes)")
-    dtype: StoreDtype = option("bf16", DTYPE_HELP)
-    shard_mb: float = option(64, "shard size in MiB", gt=0)
-    flush_s: float = option(1.0, "commit buffered samples after this long idle", gt=0)
+    dtype: StoreDtype = option(HIDDEN_DTYPE, DTYPE_HELP)
+    shard_mb: float = option(ENGINE_SHARD_MB, "shard size in MiB", gt=0)
+    flush_s: float = option(ENGINE_FLUSH_S, "commit buffered samples after this long idle", gt=0)
 
     _layers_text = field_validator("layers", mode="before")(layers_text)
 
@@ -111,14 +116,14 @@ class SglangFlagsConfig(EngineFlagsConfig):
     """Print SGLang's `--forward-hooks` JSON and the other launch flags a capture needs."""
 
     as_json: bool = option(False, "print only the --forward-hooks JSON", flag="--json")
-    sglang_version: str | None = option(None, "the SGLang release that will load the hooks: its decoder layers' "
-                                              "contract decides which modules are hooked (0.5.20, 0.5.22, 0.5.23 "
-                                              "checked; default 0.5.23)")
+    sglang_version: str | None = option(None, "the SGLang release that will load the hooks, which decides the "
+                                              "modules hooked (0.5.20, 0.5.22, 0.5.23; default 0.5.23)")
 
 
 class VllmFlagsConfig(EngineFlagsConfig):
-    """Print vLLM's launch flags and the `POST /collective_rpc` body that starts the taps."""
+    """Print vLLM's launch flags and the `POST /collective_rpc` body that starts the taps.
+
+    With `--vllm-route extract` it also writes OUT/vllm-extract.json, which `hstap capture-remote` reads."""
 
     rpc: bool = option(False, "print only the POST /collective_rpc JSON body")
-    vllm_route: VllmRoute = option("extension", VLLM_ROUTE_HELP + "; extract also writes OUT/vllm-extract.json "
-                                                                  "for capture-remote")
+    vllm_route: VllmRoute = option("extension", VLLM_ROUTE_HELP + "; extract writes OUT/vllm-extract.json")

@@ -19,6 +19,7 @@ import torch
 from hstap.capture.hooks import Fired, first_tensor, module_names
 from hstap.capture.tap import Tap
 from hstap.errors import HstapError
+from hstap.store.names import hidden_name
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,7 +47,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def hf_taps(model: torch.nn.Module, tap: Tap, layer_ids: list[int], teacher_kind: str = "topk") -> Iterator[Fired]:
     """Register read-only forward hooks feeding `tap`; remove them however the block exits."""
     layers = decoder_layers(model)
-    modules = {f"hidden.{k}": layers[k] for k in layer_ids}
+    modules = {hidden_name(k): layers[k] for k in layer_ids}
     modules["teacher"] = model.get_output_embeddings() if teacher_kind == "topk" else text_decoder(model).norm
     fired = Fired(module_names(model, modules))
     handles = []

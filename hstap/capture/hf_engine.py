@@ -3,7 +3,7 @@
 The hooks feed the same `EngineSession` the SGLang and vLLM adapters use: a forward pre-hook reads the left-padded
 `[B, P]` prefill (decode steps are `[B, 1]` and pass untouched), the decoder layers' outputs are the canonical
 residual streams, `model.norm` gives the teacher. Identity, stitching and the store are the engine rules
-(`hstap.capture.engine`), so this path is the CPU stand-in for a GPU engine.
+(`hstap.capture.engine_session`), so this path is the CPU stand-in for a GPU engine.
 
 A hook that has not fired once in the first `hooks.SILENT_AFTER` prefill requests (a module the model calls through
 `.forward()`) is reported in one line on stderr, `hstap capture: error: ...`, which `hstap serve` stops on.
@@ -15,9 +15,10 @@ import sys
 
 import torch
 
-from hstap.capture.engine import EngineSession, Span
+from hstap.capture.engine_session import EngineSession, Span
 from hstap.capture.hf import text_decoder
 from hstap.capture.hooks import Fired, first_tensor, module_names, never_raise
+from hstap.store.names import hidden_name
 
 
 class HfEngineTaps:
@@ -27,7 +28,7 @@ class HfEngineTaps:
         self.session = session
         guard = never_raise(session.error)
         decoder = text_decoder(model)
-        self.fired = Fired(module_names(model, {**{f"hidden.{k}": decoder.layers[k] for k in layers},
+        self.fired = Fired(module_names(model, {**{hidden_name(k): decoder.layers[k] for k in layers},
                                                 "teacher": decoder.norm}))
         self.silent_reported = False
         self.handles = [model.register_forward_pre_hook(guard(self._pre_hook), with_kwargs=True)]
@@ -68,10 +69,12 @@ class HfEngineTaps:
             session.record("input_ids", ids[..., None])  # (B, P, 1): gathered like the hidden states
 
     def _layer_hook(self, k: int):
+        name = hidden_name(k)
+
         def hook(module, args, output) -> None:
-            self.fired.hit(f"hidden.{k}")
+            self.fired.hit(name)
             if self.session.active():
-                self.session.record(f"hidden.{k}", first_tensor(output))
+                self.session.record(name, first_tensor(output))
         return hook
 
     def _norm_hook(self, module, args, output) -> None:

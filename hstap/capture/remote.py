@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hstap.capture.config import RemoteCaptureConfig
-from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
+from hstap.capture.engine_session import REPORT_NAME, REQUESTS_NAME
 from hstap.errors import HstapError
 
 

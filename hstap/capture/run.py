@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from tqdm import tqdm
 
 from hstap.capture.config import CaptureConfig
 from hstap.capture.hf import hf_taps
@@ -35,7 +34,9 @@ from hstap.metrics import tokens_per_second
 from hstap.models import load_target, load_tokenizer
 from hstap.models.target import fingerprint_dir, model_config, resolve_model_dir
 from hstap.preflight import check_device, check_out_dir
+from hstap.progress import progress_bar
 from hstap.store import StoreMeta, StoreWriter, bytes_per_token, capture_specs, check_free_space
+from hstap.store.names import hidden_name
 
 
 @dataclass
@@ -223,18 +224,17 @@ def _follow_rank0(target, samples: list[RenderedSample], cfg: CaptureConfig, rep
 
 
 def prefill_with_tap(target, todo: list[RenderedSample], layer_ids: list[int], teacher: TeacherSpec, sink,
-                     dtype: str = "bf16", batch_tokens: int = 4096, device: str = "cpu",
-                     progress: bool = True, stop: Callable[[], bool] | None = None,
-                     on_batch: Callable[[], None] | None = None) -> TapReport:
+                     dtype: str, batch_tokens: int, device: str, progress: bool = True,
+                     stop: Callable[[], bool] | None = None, on_batch: Callable[[], None] | None = None) -> TapReport:
     """Prefill every sample in padded batches of at most `batch_tokens` with the tap on, storing hidden states
     as `dtype`; the tap's writer thread feeds `sink(sample_id, tensors)`. Capture and online training share it.
     `stop`: asked before each batch; True ends the loop there (the tap still drains what it holds). `on_batch`:
     called on the tap's writer thread once a batch's samples all went to `sink` (capture's `--commit-every`)."""
-    names = {f"hidden.{k}" for k in layer_ids} | {"teacher"}
+    names = {hidden_name(k) for k in layer_ids} | {"teacher"}
     tap = Tap(names, sink=sink, storage_dtype=torch_dtype(dtype), teacher=teacher, hidden_size=target.hidden_size,
               on_batch=on_batch)
-    bar = tqdm(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
-               disable=not progress)
+    bar = progress_bar(total=sum(len(s.input_ids) for s in todo), unit="tok", unit_scale=True, desc="capture",
+                       disable=not progress)
     try:
         with hf_taps(target.model, tap, layer_ids, teacher.kind) as fired, torch.inference_mode():
             for batch in make_batches(todo, batch_tokens):

@@ -60,9 +60,10 @@ from typing import Any, Callable
 import torch
 
 from hstap.capture.arch import SGLANG, SGLANG_DEFAULT_VERSION, sglang_row
-from hstap.capture.engine import EngineCaptureConfig, EngineSession, Span, is_residual_pair, session_for
+from hstap.capture.engine_session import EngineCaptureConfig, EngineSession, Span, is_residual_pair, session_for
 from hstap.capture.hooks import first_tensor, never_raise
 from hstap.errors import HstapError
+from hstap.store.names import hidden_name
 
 FACTORY = "hstap.capture.sglang:make_hook"
 SPEC_PREFIX = "hstap-"  # every spec's name starts with it: `hstap serve` reads SGLang's log lines about them
@@ -216,6 +217,8 @@ class _ForwardState:
         self.pairs = self.output == "pairs"  # this forward's layer sites record (decided per forward for `auto`)
 
     def layer_hook(self, k: int) -> Callable:
+        name = hidden_name(k)
+
         @never_raise(self.session.error)
         def hook(module, args, output) -> None:
             if k == self.first:
@@ -228,14 +231,16 @@ class _ForwardState:
                 if not is_residual_pair(output):  # a wrong row or release: indexing one tensor would "work"
                     raise TypeError(f"decoder layer {k} returned {_kind(output)}, not (hidden, residual): the flags' "
                                     "layer contract is not this SGLang's (hstap sglang-flags --sglang-version)")
-                self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: inputs get overwritten
+                self.session.record(name, output[0] + output[1])  # new tensor: inputs get overwritten
         return hook
 
     def norm_hook(self, k: int) -> Callable:
+        name = hidden_name(k)
+
         @never_raise(self.session.error)
         def hook(module, args, output) -> None:
             if self.session.active() and not self.pairs:
-                self.session.record(f"hidden.{k}", _updated_residual(args, output).clone())
+                self.session.record(name, _updated_residual(args, output).clone())
         return hook
 
     def final_hook(self) -> Callable:
@@ -244,7 +249,7 @@ class _ForwardState:
             if not self.session.active():
                 return
             if self.capture_last and not self.pairs:
-                self.session.record(f"hidden.{self.last_layer}", _updated_residual(args, output).clone())
+                self.session.record(hidden_name(self.last_layer), _updated_residual(args, output).clone())
             self.session.record("teacher", first_tensor(output).clone())
         return hook
 

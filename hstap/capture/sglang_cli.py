@@ -16,11 +16,11 @@ def run(cfg: SglangFlagsConfig) -> int:
     import sys
 
     from hstap.capture.arch import fallback_note, version_note
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
     from hstap.capture.sglang import format_flags, hook_specs, sglang_flags
 
-    engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "sglang", cfg.dtype, cfg.shard_mb,
-                                                cfg.flush_s, engine_version=cfg.sglang_version)
+    engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "sglang", cfg.sglang_version,
+                                                dtype=cfg.dtype, shard_mb=cfg.shard_mb, flush_s=cfg.flush_s)
     for note in (fallback_note(engine.layout, "sglang"), version_note("sglang", cfg.sglang_version)):
         if note:
             print(note, file=sys.stderr)

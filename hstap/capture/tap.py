@@ -28,6 +28,7 @@ from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec, dtype_name, torch_dtype
 from hstap.store import fp8
 from hstap.store.estimate import bytes_per_token, capture_specs, teacher_hidden_dtype
+from hstap.store.names import hidden_layer, scale_name
 
 Sink = Callable[[str, dict[str, torch.Tensor]], None]
 
@@ -172,7 +173,7 @@ class Tap:
     # ---- internals ----------------------------------------------------------------------------------------
 
     def _estimate_bytes_per_token(self, hidden_size: int) -> int:
-        layers = list(range(sum(1 for n in self.names if n.startswith("hidden."))))
+        layers = list(range(sum(hidden_layer(n) is not None for n in self.names)))
         return bytes_per_token(capture_specs(layers, hidden_size, dtype_name(self.storage_dtype), self.teacher))
 
     def _admit(self, pending: _Pending) -> bool:
@@ -210,7 +211,7 @@ class Tap:
         if name != "teacher":
             if self.storage_dtype == fp8.FP8:
                 q, scale = fp8.quantize(rows)  # (T, H) fp8, (T,) fp32
-                return {name: q, fp8.scale_name(name): scale}
+                return {name: q, scale_name(hidden_layer(name)): scale}
             return {name: rows.to(self.storage_dtype)}
         if self.teacher.kind == "hidden":
             return {"teacher.hidden": rows.to(self._teacher_dtype)}

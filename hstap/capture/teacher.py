@@ -12,7 +12,7 @@ and Σ exp(x − m_b). Then
   (ties aside, which only swap equal values), so top-k runs over k·block gathered candidates, not all V columns
   (`hstap.topk`, which the tree drafter's expansion uses too).
 On an 8B target (128,256 logits a position) that is 4,096 candidates instead of 128,256: `torch.topk` over the
-whole row cost most of the 8.6 ms the teacher's reduction took per 8,192 positions on an H200 (docs/benchmarks.md).
+whole row was most of the teacher's reduction on a GPU (docs/benchmarks.md): a multi-pass radix select.
 On CUDA the block pass is one compiled reduction reading the logits once (no fp32 copy); elsewhere it runs a
 block of rows at a time (at most `chunk_bytes` of fp32). A batch's fp32 log-probs never exist.
 
@@ -48,7 +48,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunk_bytes: int = CHUNK_BYTES,
     if 2 * k * block <= vocab:
         best = maxes[:, :whole // block]
         eager = lambda: topk_in_best_blocks(flat, best, k, block)  # noqa: E731
-        # compiled: 1.1 ms against 3.6 eager for an 8B prefill's 8,192 rows on an H200 (bench/topk_cost.py)
+        # compiled on CUDA: several times faster than eager over an 8B prefill's rows (bench/topk_cost.py)
         raw, ids = _compiled_or(topk_in_best_blocks, (flat, best, k, block), eager) if flat.is_cuda else eager()
     else:
         raw, ids = flat.topk(k, dim=-1)

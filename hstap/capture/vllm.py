@@ -23,7 +23,7 @@ Module names come from the served architecture (`hstap.capture.arch`; Kimi-K2.5 
   (`max_query_len <= 1`) is skipped without a copy. vLLM mixes decode and prefill rows in one forward (decodes
   first) and keeps per-request lengths on the device only, so the prefill rows are kept whole and the writer
   thread splits them by position runs; identity, chunk stitching and the prefix-cache refusal are the shared
-  token-matching rules of `hstap.capture.engine`. Multimodal models (Kimi-K2.5, Gemma-3 VLM) are run from
+  token-matching rules of `hstap.capture.engine_session`. Multimodal models (Kimi-K2.5, Gemma-3 VLM) are run from
   `inputs_embeds` with `input_ids=None` (v1 runners, `_preprocess`); their token ids are taken from a pre-hook on
   the text model's embedding (`<text>.embed_tokens`), which the runner calls on the scheduled tokens first;
 - `<text>.layers.<k>` returns `(hidden_states, residual)` with the add deferred (every vLLM 0.33 layer in the
@@ -41,9 +41,11 @@ from pathlib import Path
 
 import torch
 
-from hstap.capture.engine import EngineCaptureConfig, EngineSession, close_sessions, is_residual_pair, session_for
+from hstap.capture.engine_session import (EngineCaptureConfig, EngineSession, close_sessions, is_residual_pair,
+                                          session_for)
 from hstap.capture.hooks import first_tensor, never_raise
 from hstap.errors import HstapError
+from hstap.store.names import hidden_name
 
 EXTENSION = "hstap.capture.vllm.HstapWorkerExtension"
 LAUNCH_FLAGS = ["--enforce-eager", "--no-enable-prefix-caching",
@@ -155,13 +157,15 @@ class VllmTaps:
         session.record("positions", positions)
 
     def _layer_hook(self, k: int):
+        name = hidden_name(k)
+
         def hook(module, args, output) -> None:
             if not self.session.active():
                 return
             if self.cfg.layout.output == "pairs" or is_residual_pair(output):
-                self.session.record(f"hidden.{k}", output[0] + output[1])  # new tensor: the next norm is in place
+                self.session.record(name, output[0] + output[1])  # new tensor: the next norm is in place
             else:  # an unknown architecture whose layers return the residual stream itself
-                self.session.record(f"hidden.{k}", first_tensor(output).clone())
+                self.session.record(name, first_tensor(output).clone())
         return hook
 
     def _norm_hook(self, module, args, output) -> None:

@@ -18,12 +18,12 @@ def rpc_body(config_json: str) -> str:
 
 
 def run(cfg: VllmFlagsConfig) -> int:
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
     from hstap.capture.sglang import format_flags
     from hstap.capture.vllm import LAUNCH_FLAGS
 
-    engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "vllm", cfg.dtype, cfg.shard_mb,
-                                                cfg.flush_s)
+    engine = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.layers, cfg.out, "vllm", dtype=cfg.dtype,
+                                                shard_mb=cfg.shard_mb, flush_s=cfg.flush_s)
     if cfg.vllm_route == "extract":
         from hstap.capture.vllm_extract import plan_for, write_plan
         from hstap.errors import HstapError

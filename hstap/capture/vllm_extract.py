@@ -43,8 +43,10 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from hstap.capture.config import ENGINE_SHARD_MB
 from hstap.config import StoreDtype, TeacherSpec, torch_dtype
 from hstap.errors import HstapError
+from hstap.store.config import HIDDEN_DTYPE
 
 PLAN_NAME = "vllm-extract.json"  # written into --capture-dir by `hstap serve --vllm-route extract`
 STORAGE_NAME = "vllm-hidden-states"  # where vLLM's connector writes its per-request files, inside --capture-dir
@@ -79,7 +81,7 @@ class ExtractPlan(BaseModel):
     layers: list[int]  # canonical
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
-    dtype: StoreDtype = "bf16"
+    dtype: StoreDtype = HIDDEN_DTYPE
     vllm_ids: list[int]  # what vLLM was asked for, in its convention and file order
     storage: Path
     norm_eps: float = Field(gt=0)
@@ -211,6 +213,7 @@ def to_sample(raw: dict[str, torch.Tensor], input_ids: list[int], loss_mask: lis
     """One connector file → one store sample (canonical `hidden.k`, `teacher.hidden`, input_ids, loss_mask)."""
     from hstap.store import fp8
     from hstap.store.estimate import teacher_hidden_dtype
+    from hstap.store.names import hidden_name, scale_name
 
     states, tokens = raw.get("hidden_states"), raw.get("token_ids")
     if states is None or tokens is None:
@@ -225,9 +228,9 @@ def to_sample(raw: dict[str, torch.Tensor], input_ids: list[int], loss_mask: lis
     for k in plan.layers:
         rows = states[:, plan.column(k)]
         if plan.dtype == "fp8":
-            out[f"hidden.{k}"], out[fp8.scale_name(f"hidden.{k}")] = fp8.quantize(rows)
+            out[hidden_name(k)], out[scale_name(k)] = fp8.quantize(rows)
         else:
-            out[f"hidden.{k}"] = rows.to(torch_dtype(plan.dtype)).contiguous()
+            out[hidden_name(k)] = rows.to(torch_dtype(plan.dtype)).contiguous()
     last = states[:, plan.column(plan.num_layers - 1)]
     out["teacher.hidden"] = norm(last).to(torch_dtype(teacher_hidden_dtype(plan.dtype)))
     out["input_ids"] = torch.tensor(input_ids, dtype=torch.int32)
@@ -260,7 +263,8 @@ class ExtractCollector:
         from hstap.store import StoreWriter
 
         plan = read_plan(capture_dir)
-        return cls(plan, StoreWriter(capture_dir, store_meta(plan), shard_bytes=64 << 20, commit_every_s=60), wait_s)
+        shard_bytes = int(ENGINE_SHARD_MB * 2**20)  # the store an engine's taps would write
+        return cls(plan, StoreWriter(capture_dir, store_meta(plan), shard_bytes=shard_bytes, commit_every_s=60), wait_s)
 
     def on_answer(self, sample, response) -> str | None:
         """None once `sample` is in the writer; else the one-line reason (the sample is counted, never stored)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from hstap.data.config import CODE_MAX_LINES, CODE_MIN_LINES
 from hstap.data.types import SkipReport
 from hstap.errors import HstapError
 
@@ -63,8 +64,9 @@ def stdlib_dir() -> Path:
     return path
 
 
-def stdlib_units(root: Path | None = None, min_lines: int = 5, max_lines: int = 60, max_chars: int = 2500,
-                 packages: tuple[str, ...] = (), report: SkipReport | None = None) -> list[CodeUnit]:
+def stdlib_units(root: Path | None = None, min_lines: int = CODE_MIN_LINES, max_lines: int = CODE_MAX_LINES,
+                 max_chars: int = 2500, packages: tuple[str, ...] = (),
+                 report: SkipReport | None = None) -> list[CodeUnit]:
     """Every usable unit under `root` (default: this interpreter's stdlib), in file then line order.
 
     `packages`: only these top-level modules or packages (`("json", "textwrap")`), all when empty. The walk is

@@ -23,6 +23,7 @@ import random
 from collections.abc import Iterator
 
 from hstap.data.code import CodeUnit
+from hstap.data.config import NEAR_DUP
 from hstap.data.dedupe import Deduper
 from hstap.data.mutate import Site, apply, choose_mutation
 from hstap.data.types import Conversation, SkipReport
@@ -65,7 +66,7 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
 }
 
 
-def code_requests(units: list[CodeUnit], seed: int, tasks_per_unit: int = len(TASKS), near_dup: float = 0.7,
+def code_requests(units: list[CodeUnit], seed: int, tasks_per_unit: int = len(TASKS), near_dup: float = NEAR_DUP,
                   report: SkipReport | None = None) -> Iterator[Conversation]:
     """One-turn conversations asking for work on `units`, in passes (module docstring); lazy, so a quota reads
     only as many units as it needs. Every unit left out is counted in `report`."""

@@ -23,6 +23,8 @@ import zlib
 
 import numpy as np
 
+from hstap.data.config import NEAR_DUP
+
 _WORD = re.compile(r"\w+")
 _PRIME = 4_294_967_311  # the smallest prime above 2**32: shingle hashes (< 2**32) are distinct residues
 MAX_WORDS = 2000  # a signature reads this many words: conversations differing only after them are rare
@@ -66,7 +68,7 @@ class Deduper:
     `bands` x `rows` = the number of hash functions.
     """
 
-    def __init__(self, threshold: float = 0.7, shingle: int = 2, bands: int = 16, rows: int = 4, seed: int = 0):
+    def __init__(self, threshold: float = NEAR_DUP, shingle: int = 2, bands: int = 16, rows: int = 4, seed: int = 0):
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         self.threshold, self.shingle, self.bands, self.rows = threshold, shingle, bands, rows

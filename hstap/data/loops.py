@@ -1,14 +1,14 @@
 """Degenerate repetition loops at the end of answers: found on the token ids, and taken out of the loss.
 
 A small target decoding greedily often ends an answer in a loop: the same 3 to 60 tokens again and again until
-the token cap. SmolLM2's greedy answers (2026-12-01, `bench/loop_stats.py`, docs/benchmarks.md): 26 of 64 ShareGPT
+the token cap. SmolLM2's greedy answers (`bench/loop_stats.py`, docs/benchmarks.md): 26 of 64 ShareGPT
 first turns at 384 new tokens end in one, and cutting each after its first repeat takes 30 % of the answer tokens
 out of the loss; on MT-bench at 256 tokens, 20 of 80 answers, 14 %. A drafter trained on them spends those steps
 learning to copy the last few dozen tokens, which prompt lookup (`hybrid:K`) does for free, and its held-out τ
 estimate is inflated by the same tokens. `--loops cut` keeps each loop's first period plus `keep_repeats` repeats
 (so the drafter still learns that a loop repeats), takes the rest out of the loss, and ends the sample there when
 no answer follows (its tokens would be context for nothing). Whether that raises MT-bench τ is for a GPU run to
-say (`AB_ARGS="--loops cut" bash bench/h200_recipe.sh start`); the default keeps every token, as before.
+say (`AB_ARGS="--loops cut" bash lab/h200_recipe.sh start`); the default keeps every token, as before.
 
     period, tail = periodic_tail(ids)                  # (0, 0) when the ids do not end in a loop
     ids, mask, cut = cut_loops(ids, mask, end_id=eos)  # per answer span of the loss mask

@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter: config, model, draft vocabulary."""
+"""The EAGLE-3 drafter: config, model, draft vocabulary; shipped drafters (shipped.py) and loading one for a
+target (load.py)."""
 
 from hstap.drafter.config import DrafterConfig
 from hstap.drafter.model import Eagle3Drafter

@@ -2,7 +2,7 @@
 
 Eager PyTorch runs each chain as several passes over a (tokens, hidden) tensor: a norm is an upcast, the
 normalisation, a downcast and the weight's product, and the backward as many again. A TTT training step runs
-four norms, two rotary embeddings and one gate per unrolled step, and on an H200 such passes, not the matmuls,
+four norms, two rotary embeddings and one gate per unrolled step, and on a GPU such passes, not the matmuls,
 took most of the device time (docs/benchmarks.md, the fifth GPU run's profile). On CUDA each chain goes
 through `torch.compile` (dynamic shapes: one kernel for every batch shape, forward and backward); on a CPU, or
 once compiling has failed, the same Python function runs eagerly, so the CPU tests check the math the GPU runs.
@@ -32,7 +32,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast: bool = Fa
     """Llama's: weight · normed in the promoted dtype (an fp32 weight and bf16 x give fp32); `cast` (the caller is
     under autocast) rounds the product to x's dtype: training keeps fp32 master weights under bf16 autocast, and
     an fp32 output would be cast back by every matmul reading it (three casts a TTT step for q, k and v alone: on
-    the 8B shape 42 copies of a (2,048, 8,192) tensor a step, 2026-12-04). Those matmuls get the same bf16
+    the 8B shape 42 copies of a (2,048, 8,192) tensor a step). Those matmuls get the same bf16
     numbers. A flag, not an autocast query in here: the compiled form stays free of global-state reads."""
     out = weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
     return out.to(x.dtype) if cast else out
@@ -89,8 +89,8 @@ def _turn_off(why: str) -> None:
 
 def _sample_inputs(device: torch.device) -> dict[str, tuple]:
     """Small fp32 inputs, grads on every tensor. fp32, not the training step's bf16: a fused kernel keeps its
-    intermediates in fp32 where eager rounds each to bf16 (on an H200, 2026-12-02, bf16 outputs differed by more
-    than two bf16 steps), and the check is for miscompiles, not for that rounding."""
+    intermediates in fp32 where eager rounds each to bf16 (in bf16 the two outputs differed by more than two bf16
+    steps on a GPU), and the check is for miscompiles, not for that rounding."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
@@ -156,5 +156,5 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of the stacked (…, 2I) gate and up. Its gradient is one (…, 2I) tensor, written by the
     fused backward, which the stacked matmul's backward reads as it is: with `silu_mul` over the two halves,
     autograd concatenated their two gradients, one more pass over the MLP's widest activation per TTT step
-    (on the 8B shape 1.6 GB a training step, 2026-12-04)."""
+    (on the 8B shape 1.6 GB a training step)."""
     return _dispatch("swiglu", gate_up)

@@ -4,9 +4,9 @@
     hstap eval --drafter smollm2-recipe --bench mt-bench --chain 3 --out runs/eval-recipe
     hstap eval --drafter reference ...                       # the same: the embedded target's reference drafter
 
-A GPU session here lasts 30 minutes and nothing outside git outlives it, so a drafter trained from zero each time
-stops where one session's steps leave it (docs/benchmarks.md: about +0.2 chain-3 τ per doubling of the tokens
-trained). Shipping the recipe's drafter lets every session add its steps to the last one's. A shipped drafter is a
+A drafter trained from zero stops where one run's steps leave it, and τ keeps rising with the tokens trained
+(docs/benchmarks.md: about +0.2 chain-3 τ per doubling), so the recipe's drafter ships in the package and each
+training run can add its steps to the last one's (lab/ship_drafter.py replaces it). A shipped drafter is a
 `hstap train` run directory whose weights are xz-compressed (`model.safetensors.xz`: 29 MB of bf16 → 21 MB);
 `resolve_drafter` unpacks it once into the model cache (`$HSTAP_CACHE/drafters/NAME-SHA12`) and returns that
 directory. `provenance.json` beside it says what trained it and what it measured; `checksum.json` holds the
@@ -26,7 +26,7 @@ from hstap.errors import HstapError
 SHIPPED = Path(__file__).parent / "shipped"
 PACKED = "model.safetensors.xz"
 # "reference": the embedded target's reference drafter (issue 12: once the recipe's drafter beat prompt lookup by
-# >= 1.0 tau on MT-bench; on 2026-12-03 tree:8,8,60 4.63 against 1.76, chain:3 2.47 against ngram:3's 1.76)
+# >= 1.0 tau on MT-bench; its figures against prompt lookup are in docs/benchmarks.md)
 ALIASES = {"reference": "smollm2-recipe"}
 
 

@@ -21,8 +21,8 @@ def count_tokens(samples: Iterable[dict], vocab_size: int) -> torch.Tensor:
     """Frequency of each target token over loss-masked positions (the tokens a drafter will have to propose).
 
     One bincount per ~1M tokens, not per sample: per sample, each count is a vocabulary-wide (49k) multi-threaded
-    op. With two trainers side by side on the H200 machine (the GPU recipe's A/B, 2026-12-02) the per-sample
-    count ran at ~75 samples/s (one trainer alone: 7,400/s), two minutes of held GPU time per arm."""
+    op, and two processes side by side (an A/B's two trainers) make their threads wait on each other at every one
+    of them: the per-sample count ran a hundred times slower that way than alone, while the GPU sat held."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     pending: list[torch.Tensor] = []
     held = 0

@@ -26,7 +26,7 @@ from hstap.runtime.target import Runtime
 
 # How far two computations of one top-2 logit gap drift apart, in rounding steps at the top logit's magnitude:
 # SmolLM2-135M's greedy answers to 8 MT-bench questions, 384 positions, its one-token steps against a prefill of the
-# same tokens (`python bench/logit_spread.py --prompts 8 --tokens 48`, 2-core CPU, 2026-12-06, docs/benchmarks.md):
+# same tokens (`python bench/logit_spread.py --prompts 8 --tokens 48`, docs/benchmarks.md):
 # fp32 median 4, p90 12, max 61; bf16 median 1, p90 2, max 6. About twice the largest seen counts as rounding (fp16
 # keeps bf16's: three more mantissa bits, the same few roundings per layer).
 WITHIN_ROUNDING_ULPS = {torch.float32: 128.0, torch.bfloat16: 12.0, torch.float16: 12.0}

@@ -11,7 +11,10 @@ from hstap.config import Dtype, option
 
 
 class ExportConfig(BaseModel):
-    """Write a trained drafter as a checkpoint SGLang or vLLM loads as an EAGLE-3 draft model."""
+    """Write a trained drafter as a checkpoint SGLang or vLLM loads as an EAGLE-3 draft model.
+
+    Every export is re-loaded as the engines read it and checked against the drafter (layer ids, config, every
+    tensor, d2t/t2d) before it appears; `--check` runs that check alone on an existing export."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -24,8 +27,7 @@ class ExportConfig(BaseModel):
                                          "reads it)")
     force: bool = option(False, "replace a non-empty --out")
     check: bool = option(False, "write nothing: re-load the export in --out as the engines read it and check it "
-                                "against --drafter (layer ids, config, every tensor, d2t/t2d); every export is "
-                                "checked like this before it appears")
+                                "against --drafter (layer ids, config, every tensor, d2t/t2d)")
     store: Path | None = option(None, "with --check: also check the export against this capture store (the "
                                       "layers, hidden size and target the serving engine will feed it)")
 

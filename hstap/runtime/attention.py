@@ -12,12 +12,12 @@ call, copies the whole cache per layer and dominated the decode step).
 
 Layout, and why: the rows are ordered (query j, group g), row j·G + g, and are written by the rotary's own last
 kernel into memory laid out (B, Q, G, H_kv, D), i.e. the (B, H_kv, Q·G, D) rows with the sequence outside the
-heads. cuDNN's SDPA (an H200's choice for a masked call) allocates its output in the query's layout, so the output
+heads. cuDNN's SDPA (a Hopper GPU's choice for a masked call) allocates its output in the query's layout, so the output
 is (B, Q, G·H_kv·D) without a copy, with head h = k·G + g at column (g·H_kv + k)·D; `grouped_o` reorders the output
 projection's input columns to match, once. Folding the heads into rows after the rotary, and unfolding them after
-SDPA, were views for one query and copies for several: 60 strided-copy launches per SmolLM2 forward at Q ≥ 2 on an
-H200, which made a 2-token block 0.2 ms dearer than a 1-token step of 1.99 ms (`bench/verify_cost.py`,
-2026-12-03). Every verification and every drafter block paid that. Other backends (a CPU's) may return a
+SDPA, were views for one query and copies for several: 60 strided-copy launches per SmolLM2 forward at Q ≥ 2, a
+tenth more than a 1-token step's cost on a GPU for a 2-token block (`bench/verify_cost.py`). Every verification
+and every drafter block paid that. Other backends (a CPU's) may return a
 contiguous output, and the unfold is then a copy again, with the same values.
 """
 

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from hstap.runtime.spec import SpecDecoder
 
 
+class OverPositions(HstapError):
+    """A request whose prompt plus max_new_tokens exceeds the model's positions. The Engine is the one place this
+    is checked (at `submit`): the same request fails the same way every time, so synth files it as never to retry
+    and the `hf` server answers 400 context_length_exceeded."""
+
+
 @dataclass
 class _Job:
     request: Request
@@ -51,17 +57,16 @@ class Engine:
 
     `submit` returns a Future. With `continuous` (the default for plain decoding on hstap's runtime on a CPU) the
     worker keeps up to `max_batch` requests decoding and refills a row as soon as its request finishes
-    (hstap.runtime.stream): a request that arrives mid-batch starts within `sync_every` steps instead of after
-    the batch's longest row. On CUDA the default is static batches: at synth's batch of 256 on an H200 they
-    answered 1,024 ShareGPT requests at 1.19x the refilled rows' rate (bench/continuous.py, docs/benchmarks.md;
-    on 2 CPU cores refilling was 1.04x static). Otherwise (a drafter, a target the runtime does not run,
-    `continuous=False`, CUDA unless `continuous=True`) it takes up to `max_batch` waiting requests (oldest
-    first) as one batch that runs to its end. A batch (a continuous session) is seeded by its first request's
-    `seed` (else by a counter from `seed`), so sampled output is reproducible for the same batches;
-    `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs on CUDA
-    (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per shape,
-    bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`) every
-    batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.
+    (hstap.runtime.stream): a request that arrives mid-batch starts within `sync_every` steps instead of after the
+    batch's longest row. On CUDA the default is static batches, which answered ShareGPT faster than refilled rows at
+    synth's batch of 256 (bench/continuous.py, docs/benchmarks.md); on a CPU refilling was the faster. Otherwise (a
+    drafter, a target the runtime does not run, `continuous=False`, CUDA unless `continuous=True`) it takes up to
+    `max_batch` waiting requests (oldest first) as one batch that runs to its end. A batch (a continuous session) is
+    seeded by its first request's `seed` (else by a counter from `seed`), so sampled output is reproducible for the
+    same batches; `generate_batch` fixes the batch. It decodes on the runtime's static caches, replaying CUDA graphs
+    on CUDA (`cuda_graphs`); `compile_step` also runs the forward through torch.compile (faster, a compile per
+    shape, bf16 rounding that differs slightly from the eager kernels). With a `drafter` (or `draft="ngram:K"`)
+    every batch is decoded speculatively with that draft shape: greedy requests get the same tokens as without it.
     `prefill` is the runtime's prefill path (`Runtime`): "lean" (default), or "model" when hooks on the
     transformers model must see the prompts (the `hf` engine's capture taps, `hstap.serve.hf_capture`).
     """
@@ -170,9 +175,11 @@ class Engine:
             raise HstapError("engine is closed")
         if not request.prompt:
             raise HstapError("empty prompt: nothing to answer")
-        if len(request.prompt) + request.max_new_tokens > self.max_len:
-            raise HstapError(f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} "
-                             f"exceeds the model's {self.max_len} positions: lower max_new_tokens or the prompt")
+        prompt, limit = len(request.prompt), self.max_len
+        if prompt + request.max_new_tokens > limit:
+            fix = f"max_new_tokens {limit - prompt} would fit" if prompt < limit else "shorten the prompt"
+            raise OverPositions(f"prompt of {prompt} tokens + max_new_tokens {request.max_new_tokens} exceeds the "
+                                f"model's {limit} positions: {fix}")
 
     def generate(self, requests: list[Request], timeout: float | None = None) -> list[Generation]:
         """Submit all and wait: convenient for callers that already hold a list."""

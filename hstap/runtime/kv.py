@@ -23,8 +23,8 @@ class KVCache:
 
     `write_form`: how a forward's new keys and values go in. "scatter" (default): one scatter per tensor along
     the column dim, with a (B, H_kv, Q, D) index; "index_copy": one row copy per tensor into the (B·H_kv·L, D)
-    view, with a (B·H_kv·Q,) index — an A/B on the H200 (bench/verify_cost.py section 6, bench/spec_decode.py
-    --kv-write), since the scatter kernel grew from 115 to 188 µs a forward between Q = 1 and 4 there."""
+    view, with a (B·H_kv·Q,) index — an A/B on a GPU (bench/verify_cost.py section 6, bench/spec_decode.py
+    --kv-write), since the scatter kernel's cost grows with Q where a row copy's barely does."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, write_form: str = "scatter"):

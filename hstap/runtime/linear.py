@@ -2,23 +2,21 @@
 count multiplies by whichever product `choose_products` measured fastest for it on this machine.
 
 A decoding forward streams every weight from memory once, so a 4-token verification should cost about what a
-1-token step does. On a CPU it did not: a chain:3 verification cost 1.57 decoding steps through PyTorch's default
-fp32 GEMM (MKL), 1.26 through oneDNN's copy reordered once into its blocked layout (2-core AMD EPYC VM, torch 2.13,
-SmolLM2 in fp32, `bench/forward_cost.py --reorder on off`, 2026-12-05): SmolLM2's 121 projections streamed at 4
-rows took 29.6 ms instead of 40.8, at 8 rows 33.7 instead of 52.2, at a 300-token prefill 237 instead of 252
-(`bench/cpu_gemm.py`).
+1-token step does. On a CPU it did not through PyTorch's default fp32 GEMM (MKL): a chain:3 verification cost
+about one and a half decoding steps, and about one and a quarter through oneDNN's copy of each weight, reordered
+once into its blocked layout, which streams several rows' products faster (`bench/forward_cost.py --reorder on
+off`, `bench/cpu_gemm.py`; the figures are in docs/benchmarks.md).
 
-Which product a row count takes is measured when the runtime starts, not fixed: the 2026-12-05 measurement put MKL
-ahead at one row (21.9 against 26.8 ms), so one-token steps, vanilla decoding, stayed on it. But MKL runs products
-of one to four rows on one core (`bench/cpu_gemm.py --threads-busy`: 1 of 2 threads busy), so its one-token step
-reads the weights with one core's bandwidth while a 4-row verification reads them with both; on 2026-12-06 (the
-same VM) one token cost 59.4 ms against 38.3 for four (`bench/forward_cost.py --reorder from4`): vanilla decoding,
-every speedup's baseline, ran slower than the runtime could, and speedups came out above τ. oneDNN's own 1-row
-kernel streams the copy more slowly than its 4-row one (32.3 against 31.1 ms a pass, `bench/cpu_gemm.py`), so a
-short product may instead run padded with zero rows to four, at the 4-row kernel's cost plus ~10 µs of padding.
+Which product a row count takes is measured when the runtime starts, not fixed, because neither wins at every row
+count on every machine. MKL can be ahead at one row, yet it runs products of one to four rows on one core
+(`bench/cpu_gemm.py --threads-busy`: 1 of 2 threads busy), so its one-token step reads the weights with one
+core's bandwidth while a 4-row verification reads them with both: one token can cost more than four, and then
+vanilla decoding, every speedup's baseline, runs slower than the runtime could and speedups come out above τ.
+oneDNN's own 1-row kernel streams the copy more slowly than its 4-row one, so a short product may instead run
+padded with zero rows to four, at the 4-row kernel's cost plus the padding's.
 `choose_products` times each of the model's projections each way (PATHS) at 1, 2, 3 and 4 rows, once per process,
 weight shapes and thread count, and every weight shape takes its fastest at each row count (more rows: the 4-row
-choice): a one-token forward then cost 37.6 ms against 38.1 for four. One rule for the one-token step and for
+choice): a one-token forward then costs no more than a four-token one. One rule for the one-token step and for
 verification, whose paths include the 4-row product itself, so the step costs at most about what a 4-token
 forward does.
 
@@ -51,8 +49,8 @@ BEFORE_MEASURING = tuple("onednn" if m >= REORDERED_FROM_ROWS else "mkl" for m i
 
 def _reordered(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of `weight` (N, K), laid out for products of four rows; any row count multiplies by
-    it. Laid out for one row instead, 2 to 8 rows ran 28-37 % slower and one row 15 % slower
-    (`bench/cpu_gemm.py --reorder-hint 1`, 2-core EPYC, 2026-12-05)."""
+    it. Laid out for one row instead, every row count ran slower, one row included (`bench/cpu_gemm.py
+    --reorder-hint 1`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FROM_ROWS)
 
 
@@ -185,8 +183,8 @@ def choose_products(projections: list[Projection], rounds: int = 2) -> ProductCh
     """Time each of `projections` with random inputs of each of MEASURED_ROWS rows along every path (PATHS; each
     projection's smallest of `rounds`, the paths in turn first: another process's load only adds time), and set
     every projection's `paths` to the fastest for its weight's shape per row count. Measured once per process,
-    weight shapes and thread count (a pass over SmolLM2 is 25-120 ms: the choice takes ~1-2 s on a 2-core CPU);
-    None when no projection has a copy."""
+    weight shapes and thread count (each path at each row count is a few passes over the model's weights: paid
+    once at start, not per call); None when no projection has a copy."""
     copied = [p for p in projections if p.reordered is not None]
     if not copied:
         return None

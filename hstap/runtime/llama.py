@@ -88,12 +88,11 @@ MLP_FORMS = ("chunk", "batched")
 
 
 def mlp_form_for(device: torch.device, has_bias: bool) -> str:
-    """The MLP form measured faster on `device` (bench/verify_cost.py section 5, µs per SmolLM2 layer in a graph).
-    H200, 2026-12-03 (docs/logs/h200-2026-12-03e): chunk 10.98 / 12.49 / 12.62 / 13.52 at M = 1 / 2 / 4 / 61,
-    batched 11.02 / 10.70 / 10.67 / 11.29: from two rows on, the chunk form's silu and product read half-rows
-    and run CUDA's generic strided kernel (section 4's census), ~60 µs per 4-token verification. 2-core CPU
-    (docs/logs/cpu-2026-12-03): batched is 4 % slower at M = 1 and 11 % at M = 2, where decoding lives, so the
-    CPU keeps the chunk form. A biased MLP keeps it too (the batched GEMM has no bias term)."""
+    """The MLP form measured faster on `device` (bench/verify_cost.py section 5; the figures in lab/logs). On
+    CUDA batched: from two rows on, the chunk form's silu and product read half-rows and run CUDA's generic
+    strided kernel (section 4's census), and verification blocks have several rows; at one row the two tie. On a
+    CPU batched is slower at one and two rows, where decoding lives, so the CPU keeps the chunk form. A biased MLP
+    keeps it too (the batched GEMM has no bias term)."""
     return "batched" if device.type == "cuda" and not has_bias else "chunk"
 
 

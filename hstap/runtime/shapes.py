@@ -7,7 +7,7 @@
     shape = DraftShape.parse("hybrid:3")        # chain:3 from the drafter, but prompt lookup's 3 tokens in the
                                                 # rows whose last 3 tokens occurred before (copying); hybrid:K,N
     shape = DraftShape.parse("chain:3@eager")   # the same draft, the drafter's captured steps without fused
-                                                # kernels (the A/B of hstap.runtime.drafter's compiled forward)
+                                                # kernels (the A/B of hstap.runtime.lean_drafter's compiled forward)
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def _ngram(steps: int, match: int = NGRAM_MATCH) -> DraftShape:
 
 
 def _hybrid(steps: int, match: int = NGRAM_MATCH) -> DraftShape:
-    """The drafter's chain, except where the answer is copying its context (MT-bench extraction 2026-12-01:
-    prompt lookup τ 2.77, the drafter's chain 1.61): rows whose last `match` tokens occurred before take prompt
+    """The drafter's chain, except where the answer is copying its context (on MT-bench's extraction questions
+    prompt lookup's τ is well above the drafter's chain's): rows whose last `match` tokens occurred before take prompt
     lookup's continuation instead. Both are drafted every cycle; one verification, as for a chain."""
     if match < 1:
         raise ValueError("need a match length N ≥ 1")

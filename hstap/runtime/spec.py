@@ -1,7 +1,7 @@
 """Speculative decoding on the runtime: a batch of rows, chain / tree / n-gram drafts, greedy or sampled.
 
 Each row keeps one invariant: its target cache holds every committed token but the newest (the root). A cycle
-drafts a block below each root (draft.py), verifies [root, block] in one target forward with the block's tree
+drafts a block below each root (proposals.py), verifies [root, block] in one target forward with the block's tree
 mask and depth-based positions, accepts a path plus one bonus token per row (accept.py), gathers the path's
 keys and values into place inside the cache, and hands the accepted rows' hidden states to the drafter, whose
 cache takes them at the start of the next cycle. Greedy cycles run on the device from end to end — two CUDA
@@ -26,8 +26,8 @@ import torch
 from hstap.drafter import Eagle3Drafter
 from hstap.runtime.accept import greedy_accept, sampled_accept
 from hstap.runtime.decode import left_pad
-from hstap.runtime.draft import Block, Drafts, draft_chain, draft_ngram, draft_tree, extend
-from hstap.runtime.drafter import LeanDrafter
+from hstap.runtime.proposals import Block, Drafts, draft_chain, draft_ngram, draft_tree, extend
+from hstap.runtime.lean_drafter import LeanDrafter
 from hstap.runtime.graphs import InCapture, StageClock, graph_body
 from hstap.runtime.kv import ancestors, block_columns, with_root
 from hstap.runtime.sampling import sample, target_probs
@@ -254,9 +254,9 @@ class SpecDecoder:
         if st.drafts is None:
             return
         st.pend_count.zero_()
-        # the prefill replayed a graph of this width: the drafter's part replays one too (eagerly it was ~2.7 ms of
-        # launches a prompt on an H200, chain:3's prefill 5.1 ms against prompt lookup's 2.4, 2026-12-03: enough
-        # to keep chain:3's speedup/τ at 0.84); its inputs then live in static buffers, kept per width
+        # the prefill replayed a graph of this width: the drafter's part replays one too (eagerly its launches
+        # made a GPU prompt's prefill twice prompt lookup's, enough to hold chain:3's speedup well under its τ);
+        # its inputs then live in static buffers, kept per width
         graphed = slot.graph_width == width
         key = ("start", self.tag, width)
         inputs = slot.buffers.get(key) if graphed else None

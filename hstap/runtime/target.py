@@ -3,12 +3,12 @@
 Prefill is `LeanLlama.forward` over the left-padded prompts (`prefill="lean"`, the default): one forward per row
 chunk, its keys and values written in place into columns [0, P) of the slot's rows, attention causal and blind to
 padding keys, the drafter's aux states returned by the forward itself, the lm_head on the last position only.
-transformers' forward used to do it (eager, ~50 kernels a layer, a DynamicCache copied into the cache after):
-~30 ms a prompt on an H200, ~5 % of the speculative speedup. It equals transformers' prefill (fp32: logits, cache
+transformers' forward used to do it (eager, ~50 kernels a layer, a DynamicCache copied into the cache after),
+which on a GPU cost a visible share of the speculative speedup. It equals transformers' prefill (fp32: logits, cache
 rows and aux to rounding; tests/runtime/test_prefill.py). `prefill="model"` keeps transformers' forward, for
 callers whose hooks on the model must see the prompts as an ordinary padded batch (the `hf` engine's capture
 taps). With graphs (CUDA, or `rehearse`) a whole-batch lean prefill is replayed from a CUDA graph too: eagerly it
-is ~600 kernel launches (~14 ms a prompt on an H200) for well under 1 ms of arithmetic. Its batch is left-padded
+is ~600 kernel launches for a small fraction of their time in arithmetic. Its batch is left-padded
 further to a width bucket W (P rounded up to PREFILL_BUCKET) and all slot rows run, one graph per (W, aux layers)
 in the slot; extra padding changes nothing real (positions count real tokens, padding keys are masked), so the
 caller sees the logits and its P aux columns as before, with start = W − length and write_at = W. It stays eager
@@ -68,7 +68,7 @@ class Slot:
         self.graphs: dict[object, Graphed] = {}
         # the slot's graphs share one memory pool, the slot's own: once an evicted slot's graphs are gone its pool
         # may linger (use count 0) while a tensor made in a capture lives on, and the CUDA allocator refuses a new
-        # capture into such a pool (an internal assert; seen on an H200 when continuous synth replaced its slots)
+        # capture into such a pool (an internal assert; seen on a GPU when continuous synth replaced its slots)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.buffers: dict[object, object] = {}  # per speculative method: its own static buffers
         self.bound = 0  # host-side upper bound of every row's write_at
@@ -163,8 +163,8 @@ class Runtime:
         self.device = self.lean.embed.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
-        # static shapes: one compile per cache length. Automatic dynamic shapes (dynamic=None) were tried on the
-        # H200 on 2026-12-03 and ran the step 8x slower than the uncompiled graph (docs/benchmarks.md)
+        # static shapes: one compile per cache length. Automatic dynamic shapes (dynamic=None) ran the step several
+        # times slower than the uncompiled graph when tried on a GPU (docs/benchmarks.md)
         self.forward = torch.compile(self.lean.forward, dynamic=False) if compile_step else self.lean.forward
         self.len_bucket, self.max_slots, self.rehearse = len_bucket, max_slots, rehearse
         self.slots: OrderedDict[int, Slot] = OrderedDict()
@@ -182,8 +182,8 @@ class Runtime:
         rows, width = ids.shape
         if rows > self.batch_size:
             raise ValueError(f"batch of {rows} rows exceeds the runtime's batch_size {self.batch_size}")
-        if width + max_new_tokens > self.max_len:
-            raise ValueError(f"{width} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
+        # the caller sized the runtime for its prompts (the Engine refuses a request over the positions at submit)
+        assert width + max_new_tokens <= self.max_len, f"{width} prompt + {max_new_tokens} new > max_len {self.max_len}"
         bucket = self.graph_bucket(width, max_new_tokens, reserve)
         ids, mask = pad_left(ids, mask, bucket or width)
         padded = ids.shape[1]

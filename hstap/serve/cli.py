@@ -56,7 +56,7 @@ def install_vllm_taps(sup) -> str:
     worker refused (a module name that is not in the served model), the one-line reason."""
     import httpx
 
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
     from hstap.capture.vllm_cli import rpc_body
 
     cfg = EngineCaptureConfig.for_checkpoint(sup.cfg.model, sup.cfg.capture_layers or "auto", sup.cfg.capture_dir,
@@ -72,7 +72,7 @@ def install_vllm_taps(sup) -> str:
 def write_extract_plan(sup) -> str:
     """vLLM's extract route needs no call into the engine: write DIR/vllm-extract.json (the layers in both id
     conventions, where vLLM's files go, the teacher's norm) for `capture-remote --vllm-route extract`."""
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
     from hstap.capture.vllm_extract import plan_for, write_plan
 
     cfg = EngineCaptureConfig.for_checkpoint(sup.cfg.model, sup.cfg.capture_layers or "auto", sup.cfg.capture_dir,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from hstap.capture.config import LAYERS_HELP, VLLM_ROUTE_HELP, VllmRoute
 from hstap.config import Device, StoreDtype, option
+from hstap.store.config import HIDDEN_DTYPE
 
 
 class ServeConfig(BaseModel):
@@ -71,7 +72,7 @@ class HfServerConfig(BaseModel):
     max_batch: int = option(8, "requests decoded together", ge=1)
     capture_layers: str | None = option(None, f"{LAYERS_HELP}; 'auto' when only --capture-dir is given")
     capture_dir: Path | None = option(None, "store the taps write (omit to serve without taps)")
-    dtype: StoreDtype = option("bf16", "hidden-state storage dtype (fp8: e4m3 with a scale per token and layer)")
+    dtype: StoreDtype = option(HIDDEN_DTYPE, "hidden-state storage dtype (fp8: e4m3 with a scale per token and layer)")
     drafter: Path | None = option(None, "decode speculatively with this drafter run directory (`hstap train`)")
     draft: str | None = option(None, "draft shape: chain:K, tree:D,TOPK,N, hybrid:K[,N] or ngram:K (no drafter needed); default "
                                      "chain:3 with --drafter")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from hstap.errors import HstapError
 
 if TYPE_CHECKING:  # the capture config pulls in torch: `hstap serve` without capture starts without it
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
 
 # flag -> why capture refuses it (a flag given as `--flag`, `--flag=value`, or `--flag value`)
 SGLANG_REFUSED = {

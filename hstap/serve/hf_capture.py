@@ -11,7 +11,7 @@
 - read-only hooks on the served model feeding the same `EngineSession` the SGLang and vLLM adapters use: a
   forward pre-hook reads the left-padded `[B, P]` prefill (decode steps are `[B, 1]` and pass untouched), the
   decoder layers' outputs are the canonical residual streams, `model.norm` gives the teacher. Identity,
-  stitching and the store are the engine rules (`hstap.capture.engine`), so this path is the CPU stand-in for a
+  stitching and the store are the engine rules (`hstap.capture.engine_session`), so this path is the CPU stand-in for a
   GPU engine. Reading the padding mask's lengths is the one host read, before the forward starts.
 
 Start-up runs in phases the supervisor's watchdog follows from the log: loading, then a warm-up generation (before
@@ -36,7 +36,7 @@ from hstap.faults import fault_point
 from hstap.serve.openai_api import ApiError, OpenAIParams, refuse_unsupported
 
 if TYPE_CHECKING:  # torch comes in with the model, after the "loading" line: start-up hangs are told apart
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
 
 
 class CompletionRequest(OpenAIParams):
@@ -102,7 +102,7 @@ def warm_up(app) -> None:
     app.state.engine.generate([Request(prompt=prompt, max_new_tokens=2)])
 
 
-def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int = 8, drafter=None,
+def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None, max_batch: int, drafter=None,
                        draft: str | None = None, warmup: bool = False, prefill: str = "model"):
     """`hf_server.create_app` plus `/v1/completions`, and the taps when `cfg` is given (they read prefill only, so
     they work with speculative decoding too); `warmup` runs `warm_up` first.
@@ -110,7 +110,7 @@ def create_capture_app(target, model_name: str, cfg: EngineCaptureConfig | None,
     `prefill` is the runtime's prefill path: "model" by default, because the taps are hooks on the transformers
     model and the runtime's lean prefill never calls it (taps may also be put on later, as the tests do); `main`
     passes "lean" only when it serves without capture, where nothing hooks the model."""
-    from hstap.capture.engine import session_for
+    from hstap.capture.engine_session import session_for
     from hstap.capture.hf_engine import HfEngineTaps
     from hstap.serve.hf_server import create_app
 
@@ -137,18 +137,18 @@ def main(argv: list[str] | None = None) -> None:
         fault_point("hang-loading")
         import uvicorn
 
-        from hstap.capture.engine import EngineCaptureConfig
+        from hstap.capture.engine_session import EngineCaptureConfig
         from hstap.models import load_target
 
         target = load_target(args.model, device=args.device)
         cfg = None
         if args.capture_dir is not None:
             cfg = EngineCaptureConfig.for_checkpoint(args.model, args.capture_layers or "auto", args.capture_dir,
-                                                     "hf", args.dtype)
+                                                     "hf", dtype=args.dtype)
             print(f"hstap hf engine: capturing layers {cfg.layers} into {cfg.out}", flush=True)
         drafter = None
         if args.drafter is not None:
-            from hstap.evaluate.run import load_drafter
+            from hstap.drafter.load import load_drafter
 
             drafter = load_drafter(args.drafter, target)
             print(f"hstap hf engine: speculative decoding, {args.draft or 'chain:3'} from {args.drafter}", flush=True)

@@ -173,7 +173,7 @@ async def server_sent(answer: Answer, events: AsyncIterator[dict], served: dict)
             served["disconnected"] += 1
 
 
-def create_app(target, model_name: str, max_batch: int = 8, default_max_tokens: int = 256, drafter=None,
+def create_app(target, model_name: str, max_batch: int, default_max_tokens: int = 256, drafter=None,
                draft: str | None = None, prefill: str = "lean") -> FastAPI:
     """A FastAPI app answering as `model_name` with `target` (a `hstap.models.Target`); `drafter` (an
     Eagle3Drafter on the target's device) and/or `draft` (a draft shape) turn on speculative decoding. `prefill`:

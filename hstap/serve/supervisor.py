@@ -134,7 +134,7 @@ class Supervisor:
         cfg = self.cfg
         capture = None
         if cfg.capture_dir is not None:
-            from hstap.capture.engine import EngineCaptureConfig  # torch: only when capturing
+            from hstap.capture.engine_session import EngineCaptureConfig  # torch: only when capturing
 
             capture = EngineCaptureConfig.for_checkpoint(cfg.model, cfg.capture_layers or "auto", cfg.capture_dir,
                                                          cfg.engine, engine_version=self._engine_version())

@@ -27,14 +27,15 @@ wherever the two stores' log-probs are not tied within the tensor's tolerance: `
 
     hstap compare runs/tp runs/one-gpu --reference runs/fp32     # two bf16 captures judged against an fp32 one
 
-With `--reference R` the verdict asks another question: is each store as close to the truth as the other? Two
-bf16 captures of a deep model differ by more than bf16's rounding step even when both are right: every layer
-rounds, the next layers carry the rounding on, and a tensor-parallel all-reduce rounds in its own order (two H200s,
-an 8B shape: 5 % apart at layer 28; docs/distributed.md). So each of A and B is compared with R, a capture of the same conversations computed
-in a finer dtype (`hstap capture --target-dtype fp32`), and passes when its error is within `--within` times the
-other's (or within its dtype's tolerance, as above): MATCH means neither is measurably further from R than the
-other. The cosine bound is scaled alike: 1 - cos grows as the error's square, so by `within` squared. A fault —
-a wrong layer, a norm's epsilon, a scaled weight — puts one capture many times further from R than the other.
+With `--reference R` the verdict asks another question: is each store as close to the truth as the other? Two bf16
+captures of a deep model differ by more than bf16's rounding step even when both are right: every layer rounds, the
+next layers carry the rounding on, and a tensor-parallel all-reduce rounds in its own order (two GPUs, an 8B shape:
+5 % apart at layer 28; docs/distributed.md). So each of A and B is compared with R, a capture of the same
+conversations computed in a finer dtype (`hstap capture --target-dtype fp32`), and passes when its error is within
+`--within` times the other's (or within its dtype's tolerance, as above): MATCH means neither is measurably further
+from R than the other. The cosine bound is scaled alike: 1 - cos grows as the error's square, so by `within`
+squared. A fault — a wrong layer, a norm's epsilon, a scaled weight — puts one capture many times further from R
+than the other.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import torch
 
 from hstap.config import cosine_floor, rounding_step
 from hstap.errors import HstapError
+from hstap.store.config import MATCH_MIN_COS, MATCH_RTOL, REFERENCE_WITHIN
+from hstap.store.names import hidden_layer, hidden_name
 from hstap.store.reader import open_store
 
 
@@ -71,10 +74,10 @@ class Comparison:
     tensors: dict[str, TensorStat]
     token_mismatch: list[str]
     per_sample: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    rtol: float = 1e-2
-    min_cos: float = 0.999
+    rtol: float = MATCH_RTOL
+    min_cos: float = MATCH_MIN_COS
     reference: str | None = None  # --reference R: the verdict judges A and B each against R
-    within: float = 2.0
+    within: float = REFERENCE_WITHIN
     vs_reference: dict[str, dict[str, TensorStat]] = field(default_factory=dict)  # "A"/"B" -> tensor -> stat
     not_in_reference: list[str] = field(default_factory=list)  # common to A and B, absent from R: not judged
     uncompared: list[str] = field(default_factory=list)  # tensors both stores hold that no common sample compared
@@ -142,7 +145,7 @@ def _stats(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 
 
 def _flat(sample: dict) -> dict[str, torch.Tensor]:
-    out = {f"hidden.{k}": t for k, t in sample["hidden"].items()}
+    out = {hidden_name(k): t for k, t in sample["hidden"].items()}
     out.update({f"teacher.{k}": t for k, t in sample["teacher"].items() if t.is_floating_point()})
     return out
 
@@ -200,9 +203,9 @@ def check_comparable(stores: dict[str, object], any_model: bool = False) -> None
                              "differs)")
 
 
-def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: float = 0.999,
+def compare_stores(a: Path | str, b: Path | str, rtol: float = MATCH_RTOL, min_cos: float = MATCH_MIN_COS,
                    keep_per_sample: bool = False, reference: Path | str | None = None,
-                   within: float = 2.0, any_model: bool = False) -> Comparison:
+                   within: float = REFERENCE_WITHIN, any_model: bool = False) -> Comparison:
     """Compare the samples two stores have in common, tensor by tensor (and each against `reference`, if given).
     `any_model`: stores of different model fingerprints are compared too (the same weights under another config).
 
@@ -216,8 +219,8 @@ def compare_stores(a: Path | str, b: Path | str, rtol: float = 1e-2, min_cos: fl
                      any_model=any_model)
     ids_a, ids_b = sa.ids(), set(sb.ids())
     common = [i for i in ids_a if i in ids_b]
-    names_a = {n for n in sa.manifest.tensors if n.startswith(("hidden.", "teacher."))}
-    names_b = {n for n in sb.manifest.tensors if n.startswith(("hidden.", "teacher."))}
+    names_a = {n for n in sa.manifest.tensors if _compared(n)}
+    names_b = {n for n in sb.manifest.tensors if _compared(n)}
     if not names_a & names_b:
         raise HstapError(f"{a} has tensors {sorted(names_a)}, {b} has {sorted(names_b)}: nothing to compare "
                          "(capture both with the same --layers, and --teacher hidden for an engine capture)")
@@ -337,6 +340,12 @@ def format_comparison(c: Comparison, per_sample: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _compared(name: str) -> bool:
+    """Hidden states and teachers are compared; token ids, masks and fp8 scales are not."""
+    return hidden_layer(name) is not None or name.startswith("teacher.")
+
+
 def _order(name: str) -> tuple:
-    head, _, tail = name.partition(".")
-    return (head != "hidden", int(tail) if tail.isdigit() else 0, name)
+    """Hidden layers first, by layer id, then the rest by name."""
+    layer = hidden_layer(name)
+    return (layer is None, layer or 0, name)

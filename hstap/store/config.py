@@ -12,6 +12,12 @@ from hstap.config import option
 
 
 PROJECT_SAMPLES = (10_000, 100_000, 1_000_000)  # store sizes `hstap store info` projects by default
+HIDDEN_DTYPE = "bf16"  # how captured hidden states are stored unless a --dtype says otherwise (every capture path)
+SHARD_MB = 256  # buffered MiB a store commits as one shard: StoreWriter's default, `hstap capture --shard-mb`'s
+# `hstap compare`'s match bounds, also the defaults of hstap.store.compare.compare_stores (tests call it directly)
+MATCH_RTOL = 1e-2
+MATCH_MIN_COS = 0.999
+REFERENCE_WITHIN = 2.0
 
 
 class StoreInfoConfig(BaseModel):
@@ -61,13 +67,13 @@ class CompareConfig(BaseModel):
 
     dir_a: Path = option(help="the first store", positional=True)
     dir_b: Path = option(help="the second store (the reference of the relative error)", positional=True)
-    rtol: float = option(1e-2, "largest relative error ||a-b||/||b|| still a match", gt=0)
-    min_cos: float = option(0.999, "lowest per-token cosine similarity still a match", gt=-1, le=1)
+    rtol: float = option(MATCH_RTOL, "largest relative error ||a-b||/||b|| still a match", gt=0)
+    min_cos: float = option(MATCH_MIN_COS, "lowest per-token cosine similarity still a match", gt=-1, le=1)
     reference: Path | None = option(None, "a capture of the same samples in a finer dtype (`hstap capture "
                                           "--target-dtype fp32`): judge A and B each against it, not one "
                                           "against the other")
-    within: float = option(2.0, "with --reference: how many times the other store's error against it a store's "
-                                "may be", ge=1)
+    within: float = option(REFERENCE_WITHIN, "with --reference: how many times the other store's error against it "
+                                             "a store's may be", ge=1)
     any_model: bool = option(False, "compare stores whose model fingerprints differ (the same weights under another "
                                     "config.json, e.g. an engine's wrapper of the checkpoint)")
     per_sample: bool = option(False, "print every sample's numbers too")

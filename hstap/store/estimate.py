@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hstap.errors import HstapError
 from hstap.store.manifest import StoreMeta, TensorSpec, torch_dtype
+from hstap.store.names import hidden_name, scale_name
 
 HEADROOM = 1.1  # manifests, the in-flight shard's temporary file, and estimate error
 
@@ -49,9 +50,9 @@ def conventional_specs(meta: StoreMeta) -> dict[str, TensorSpec]:
     """
     specs = {"input_ids": TensorSpec(dtype="int32", shape=[]), "loss_mask": TensorSpec(dtype="bool", shape=[])}
     for k in meta.layer_ids:
-        specs[f"hidden.{k}"] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
+        specs[hidden_name(k)] = TensorSpec(dtype=meta.hidden_dtype, shape=[meta.hidden_size])
         if meta.hidden_dtype == "fp8":
-            specs[f"hidden_scale.{k}"] = TensorSpec(dtype="fp32", shape=[])
+            specs[scale_name(k)] = TensorSpec(dtype="fp32", shape=[])
     if meta.teacher.kind == "topk":
         specs["teacher.topk_ids"] = TensorSpec(dtype="int32", shape=[meta.teacher.k])
         specs["teacher.topk_logprobs"] = TensorSpec(dtype="fp16", shape=[meta.teacher.k])

@@ -3,13 +3,13 @@
     q, scale = quantize(hidden)          # hidden (T, H) any float → q (T, H) float8_e4m3fn, scale (T,) fp32
     x = dequantize(q, scale)             # (T, H) bf16, ≈ hidden within half of fp8's step (2**-4, relative)
 
-A store captured with `--dtype fp8` holds `hidden.{k}` as float8_e4m3fn and its scales as `hidden_scale.{k}`
-(fp32, one per token). The scale is the row's largest magnitude / 448 (e4m3's largest finite value), so each token
-uses the whole fp8 range whatever its size: hidden states of one sequence span orders of magnitude (the first
-token's is often 100× the others'), which a per-tensor scale would push into fp8's subnormals. A zero row gets
-scale 0 and stays exactly zero (no 0/0). Both functions run on whatever device their input is on: the capture
-quantises on the GPU before the copy to the host, the trainer dequantises on the GPU after the copy to it, so only
-fp8 bytes cross PCIe either way.
+A store captured with `--dtype fp8` holds each layer's hidden states as float8_e4m3fn and its scales as fp32, one
+per token (`hidden.{k}` and `hidden_scale.{k}`: hstap.store.names). The scale is the row's largest magnitude / 448
+(e4m3's largest finite value), so each token uses the whole fp8 range whatever its size: hidden states of one
+sequence span orders of magnitude (the first token's is often 100× the others'), which a per-tensor scale would
+push into fp8's subnormals. A zero row gets scale 0 and stays exactly zero (no 0/0). Both functions run on
+whatever device their input is on: the capture quantises on the GPU before the copy to the host, the trainer
+dequantises on the GPU after the copy to it, so only fp8 bytes cross PCIe either way.
 
 The hidden teacher (`teacher.hidden`) is not quantised: it is the training target, kept in bf16.
 """
@@ -19,16 +19,11 @@ from __future__ import annotations
 import torch
 
 from hstap.errors import HstapError
+from hstap.store.names import hidden_name, scale_name
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_DTYPE = torch.float32
-SCALE_PREFIX = "hidden_scale."
-
-
-def scale_name(name: str) -> str:
-    """`hidden.14` → `hidden_scale.14`: the store name of a quantised layer's scales."""
-    return SCALE_PREFIX + name.removeprefix("hidden.")
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +54,7 @@ def dequantize_sample(sample: dict) -> dict:
         return sample
     for k, t in sample["hidden"].items():
         if k not in scales:
-            raise HstapError(f"sample {sample.get('id')!r}: hidden.{k} is fp8 but has no {SCALE_PREFIX}{k}")
+            raise HstapError(f"sample {sample.get('id')!r}: {hidden_name(k)} is fp8 but has no {scale_name(k)}")
         sample["hidden"][k] = dequantize(t, scales[k])
     return sample
 

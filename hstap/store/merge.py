@@ -26,10 +26,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
 
 from hstap.errors import HstapError
 from hstap.preflight import check_out_dir
+from hstap.progress import progress_bar
 from hstap.store.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -193,7 +193,7 @@ def merge_stores(out: Path, stores: list[Path], copy: bool = False, progress: bo
     shards: list[ShardInfo] = []
     counts = {"kept": 0, "linked": 0, "copied": 0}
     todo = [(path, shard) for path, m in inputs for shard in m.shards]
-    for index, (path, shard) in enumerate(tqdm(todo, desc="merge", unit="shard", disable=not progress)):
+    for index, (path, shard) in enumerate(progress_bar(todo, desc="merge", unit="shard", disable=not progress)):
         name = shard_name(index)
         try:
             counts[_place(path / shard.file, out / name, shard, copy)] += 1

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from hstap.errors import HstapError
 from hstap.store.config import PROJECT_SAMPLES
 from hstap.store.estimate import bytes_per_token, conventional_specs, human_bytes, projected_bytes
-from hstap.store.fp8 import SCALE_PREFIX, dequantize_sample
+from hstap.store.fp8 import dequantize_sample
 from hstap.store.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -31,6 +31,7 @@ from hstap.store.manifest import (
     load_manifest,
     shard_files,
 )
+from hstap.store.names import hidden_layer, hidden_name, scale_layer
 
 OPEN_SHARDS = 4  # handles kept open: enough for sequential reads and a shuffled window, few file descriptors
 HASH_CHUNK = 8 << 20
@@ -107,10 +108,10 @@ class Store:
                                  f"{name!r} ({exc}): the store is damaged; {DAMAGED_HINT}") from None
             if name == "input_ids":
                 sample[name] = t.long()  # int32 on disk, int64 for embedding lookups
-            elif name.startswith("hidden.") and name[7:].lstrip("-").isdigit():
-                sample["hidden"][int(name[7:])] = t
-            elif name.startswith(SCALE_PREFIX) and name[len(SCALE_PREFIX):].lstrip("-").isdigit():
-                sample.setdefault("hidden_scale", {})[int(name[len(SCALE_PREFIX):])] = t
+            elif hidden_layer(name) is not None:
+                sample["hidden"][hidden_layer(name)] = t
+            elif scale_layer(name) is not None:
+                sample.setdefault("hidden_scale", {})[scale_layer(name)] = t
             elif name.startswith("teacher."):
                 sample["teacher"][name[8:]] = t
             else:
@@ -175,7 +176,8 @@ class Store:
 
 def _scale_of(name: str, keys: set[str]) -> bool:
     """`hidden_scale.k` is read whenever `hidden.k` is: the fp8 values mean nothing without it."""
-    return name.startswith(SCALE_PREFIX) and "hidden." + name[len(SCALE_PREFIX):] in keys
+    layer = scale_layer(name)
+    return layer is not None and hidden_name(layer) in keys
 
 
 def _load(path: Path | str) -> tuple[Path, Manifest]:

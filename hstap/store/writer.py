@@ -40,8 +40,8 @@ from safetensors.torch import save as st_save
 
 from hstap.errors import HstapError
 from hstap.faults import fault_point
+from hstap.store.config import SHARD_MB
 from hstap.store.estimate import bytes_per_token, human_bytes
-from hstap.store.fp8 import scale_name
 from hstap.store.manifest import (
     MANIFEST_NAME,
     SHARD_RE,
@@ -60,6 +60,7 @@ from hstap.store.manifest import (
     shard_name,
     torch_dtype,
 )
+from hstap.store.names import hidden_layer, scale_name
 from hstap.store.reader import _shard_problems, listed_problem
 from hstap.store.repair import adopt, interrupted_commit, rebuild_manifest, remove_tmp, set_aside
 
@@ -80,7 +81,7 @@ class StoreWriter:
         notes: what else opening did (a manifest rebuilt from shard headers, damaged shards set aside), one line each.
     """
 
-    def __init__(self, path: Path | str, meta: StoreMeta, shard_bytes: int = 256 << 20,
+    def __init__(self, path: Path | str, meta: StoreMeta, shard_bytes: int = SHARD_MB << 20,
                  commit_every_s: float | None = None, repair: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
@@ -389,23 +390,23 @@ def _check_against_specs(sample_id: str, tensors: dict[str, torch.Tensor], specs
 
 def _check_hidden_against_meta(sample_id: str, specs: dict[str, TensorSpec], meta: StoreMeta) -> None:
     """The first sample fixes the specs: make sure its `hidden.{k}` agree with what the manifest will claim."""
-    hidden = {n: s for n, s in specs.items() if n.startswith("hidden.")}
+    hidden = {layer: (name, spec) for name, spec in specs.items() if (layer := hidden_layer(name)) is not None}
     if not hidden:
         return
-    ids = sorted(int(n.split(".", 1)[1]) for n in hidden if n.split(".", 1)[1].isdigit())
-    if ids != sorted(meta.layer_ids):
+    if sorted(hidden) != sorted(meta.layer_ids):
         raise HstapError(
-            f"sample {sample_id!r}: tensors {sorted(hidden)} do not match layer_ids={meta.layer_ids} in the store meta"
+            f"sample {sample_id!r}: tensors {sorted(n for n, _ in hidden.values())} do not match "
+            f"layer_ids={meta.layer_ids} in the store meta"
         )
-    for name, spec in hidden.items():
+    for layer, (name, spec) in hidden.items():
         if spec.dtype != meta.hidden_dtype or spec.shape != [meta.hidden_size]:
             raise HstapError(
                 f"sample {sample_id!r}: tensor {name!r} is {spec.dtype} {spec.shape}, the store meta says "
                 f"{meta.hidden_dtype} [{meta.hidden_size}]"
             )
-        scale = specs.get(scale_name(name))
+        scale = specs.get(scale_name(layer))
         if meta.hidden_dtype == "fp8" and (scale is None or scale.dtype != "fp32" or scale.shape != []):
             raise HstapError(
-                f"sample {sample_id!r}: fp8 tensor {name!r} needs {scale_name(name)!r} (fp32, one per token), "
+                f"sample {sample_id!r}: fp8 tensor {name!r} needs {scale_name(layer)!r} (fp32, one per token), "
                 f"got {f'{scale.dtype} {scale.shape}' if scale else 'none'}"
             )

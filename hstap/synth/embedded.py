@@ -2,7 +2,7 @@
 decodes the answer (greedy or top-p sampling, per-row stops).
 
     from hstap.synth.embedded import EmbeddedBackend
-    backend = EmbeddedBackend(target, max_batch=16)     # hstap.runtime.engine.Engine underneath
+    backend = EmbeddedBackend(target, max_batch=16, cuda_graphs=None, compile_step=False, continuous=None)
     completion = await backend.complete(messages, sampling)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hstap.errors import HstapError
-from hstap.runtime.engine import Engine, Request
+from hstap.runtime.engine import Engine, OverPositions, Request
 
 if TYPE_CHECKING:
     from hstap.synth.backend import Completion
@@ -23,8 +23,10 @@ class EmbeddedBackend:
     The Engine keeps the runtime's lean prefill: nothing hooks the model here (the hidden states are captured
     later, by `hstap capture`'s own forward over the finished conversations)."""
 
-    def __init__(self, target, max_batch: int = 16, cuda_graphs: bool | None = None, compile_step: bool = False,
-                 continuous: bool | None = None):
+    def __init__(self, target, *, max_batch: int, cuda_graphs: bool | None, compile_step: bool,
+                 continuous: bool | None):
+        """Settings as `hstap synth` gives them (hstap.synth.config.SynthConfig holds the defaults); None: the
+        Engine's default for the device."""
         self.target = target
         self.model_id = target.model_id
         self.engine = Engine(target, max_batch=max_batch, cuda_graphs=cuda_graphs, compile_step=compile_step,
@@ -37,15 +39,12 @@ class EmbeddedBackend:
         from hstap.synth.backend import Completion, PermanentFailure, RequestFailed
 
         prompt = render_prompt(messages, self.target.tokenizer)
-        limit = self.engine.max_len
-        if len(prompt) + sampling.max_new_tokens > limit:  # the same request fails the same way every time
-            fits = f"; --max-new-tokens {limit - len(prompt)} would fit" if len(prompt) < limit else ""
-            raise PermanentFailure(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} "
-                                   f"exceeds the model's {limit} positions{fits}", reason="over_model_positions")
         request = Request(prompt=prompt, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, seed=sampling.seed)
         try:
             gen = await asyncio.wrap_future(self.engine.submit(request))
+        except OverPositions as exc:  # the same request fails the same way every time
+            raise PermanentFailure(str(exc), reason="over_model_positions") from None
         except HstapError as exc:
             raise RequestFailed(str(exc)) from None
         text = self.target.tokenizer.decode(gen.tokens, skip_special_tokens=False)

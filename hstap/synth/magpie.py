@@ -2,7 +2,8 @@
 message starts.
 
     from hstap.synth.magpie import MagpieSampler, judge
-    sampler = MagpieSampler(target, seed=0, batch_size=16)     # an Engine: CUDA graphs on a GPU, eager on a CPU
+    sampler = MagpieSampler(target, seed=0, batch_size=16, temperature=1.0, top_p=0.99, max_new_tokens=256)
+                                                               # an Engine: CUDA graphs on a GPU, eager on a CPU
     for cand in sampler.round(start=0):                        # attempts 0..15, one decode batch
         reason = judge(cand, FilterSettings(), dedupe, sampler.special_strings)   # None: keep it
     sampler.close()
@@ -82,8 +83,10 @@ class Candidate:
 class MagpieSampler:
     """Samples user messages from the target in rounds of `batch_size` attempts."""
 
-    def __init__(self, target, seed: int = 0, batch_size: int = 16, temperature: float = 1.0, top_p: float = 0.99,
-                 max_new_tokens: int = 256, cuda_graphs: bool | None = None):
+    def __init__(self, target, *, seed: int, batch_size: int, temperature: float, top_p: float, max_new_tokens: int,
+                 cuda_graphs: bool | None = None):
+        """Sampling as `hstap prompts` sets it (hstap.data.config.PromptsConfig holds the defaults); `cuda_graphs`
+        None: the Engine's default for the device."""
         self.tokenizer, self.seed, self.batch_size = target.tokenizer, seed, batch_size
         self.sampling = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
         self.prefixes = {(cat, k): self.tokenizer(user_prefix(self.tokenizer, system), add_special_tokens=False)

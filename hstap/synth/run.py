@@ -21,12 +21,11 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from hstap.data import Conversation, SkipReport, open_source
 from hstap.errors import HstapError
 from hstap.metrics import tokens_per_second
 from hstap.preflight import check_device, check_out_file
+from hstap.progress import progress_bar
 from hstap.synth.backend import Backend, PermanentFailure, RequestFailed, TurnSampling
 from hstap.synth.config import SynthConfig
 from hstap.synth.writer import SynthWriter, failed_path
@@ -143,7 +142,7 @@ async def synthesize(todo: list[Conversation], backend: Backend, writer: SynthWr
     """
     pending = iter(todo)
     totals = [0, 0, 0]
-    bar = tqdm(total=len(todo), unit="conv", desc="synth", disable=not progress)
+    bar = progress_bar(total=len(todo), unit="conv", desc="synth", disable=not progress)
 
     async def worker() -> None:
         for conv in pending:  # shared iterator: each conversation is taken by exactly one worker

@@ -1,6 +1,7 @@
 """The server backend: any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, `hstap.serve.hf_server`).
 
-    async with ServerBackend(["http://127.0.0.1:30000"], model=None, timeout=120, retries=3) as backend:
+    async with ServerBackend(["http://127.0.0.1:30000"], model=None, timeout=120, retries=3, backoff=0.5,
+                             max_connections=8, seed=0) as backend:
         completion = await backend.complete(messages, TurnSampling(512, 0.0, 1.0, seed=7))
 
 Requests go round-robin over the servers; a retry goes to the next one. Connection errors, timeouts, 429 and
@@ -41,7 +42,7 @@ def models_failed(url: str, exc: BaseException) -> HstapError:
     return HstapError(f"server {url}: GET /v1/models failed ({type(exc).__name__}: {exc}); is it up?")
 
 
-def probe_server(url: str, timeout: float, retries: int = 1, backoff: float = 0.5) -> list[str]:
+def probe_server(url: str, timeout: float, retries: int, backoff: float) -> list[str]:
     """`ServerBackend`'s check on entry (`GET /v1/models`), for a synchronous client (capture-remote), bounded by
     `timeout` seconds in all: a server that accepts connections and never answers is named then, instead of after
     every request's own read timeout. Connection errors (nothing listening yet, a reset) are tried `retries` times
@@ -81,9 +82,10 @@ def probe_server(url: str, timeout: float, retries: int = 1, backoff: float = 0.
 class ServerBackend:
     """Bounded-concurrency async client over one or more OpenAI-compatible servers."""
 
-    def __init__(self, urls: list[str], model: str | None = None, timeout: float = 120.0, retries: int = 3,
-                 backoff: float = 0.5, max_connections: int = 64, seed: int = 0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, urls: list[str], *, model: str | None, timeout: float, retries: int, backoff: float,
+                 max_connections: int, seed: int, transport: httpx.AsyncBaseTransport | None = None):
+        """Settings as `hstap synth` gives them (hstap.synth.config.SynthConfig holds their defaults);
+        `transport`: the tests' httpx.MockTransport."""
         if not urls:
             raise HstapError("no --server given")
         self.urls = [base_url(u) for u in urls]

@@ -202,8 +202,8 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: 
     The k diagonal dot products and the weighted sum of the k values are two batched matmuls over (B, nkv, S)
     with the G = nh / nkv query heads of a key/value head as rows: no (B, nh, S, hd) product per key. Written
     elementwise (one product and one sum per key, then one multiply-add per value) they were a third of a
-    SmolLM2 TTT step's device time on an H200 (2026-12-02: `aten::mul` 22 %, the largest entry) and ~6k of its
-    operator calls."""
+    SmolLM2 TTT step's device time in a GPU profile (`aten::mul` the largest entry) and ~6k of its operator
+    calls."""
     with torch.autocast(q.device.type, enabled=False):  # fp32 matmuls: autocast would run them in bf16
         if _compiled_merge_here(q):
             # the keys stacked here, not in the compiled body: one graph for every number of keys
@@ -220,9 +220,9 @@ def merge_pointwise(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_dia
                     scale: float) -> torch.Tensor:
     """`_merge_fp32`'s numbers as products and sums over the k diagonal keys, stacked (B, nkv, k, S, hd): the
     form CUDA runs compiled, where the merge (the dot products, the (1+k)-way softmax, the weighted sum, fp32
-    inside) fuses into a few kernels forward and backward. The batched-matmul form took ~4 ms of an 8B TTT step on
-    an H200 (fp32 bmm and a SIMT SGEMM, 2026-12-04) and ~40 operator calls a step — the step is host-bound at
-    2,048 positions. Eager this form is the slow one (a pass per key), so the CPU keeps `_merge_fp32`."""
+    inside) fuses into a few kernels forward and backward. The batched-matmul form runs fp32 bmm on a GPU (a
+    SIMT SGEMM, no tensor cores) and ~40 operator calls a step, where the step is host-bound at 2,048 positions.
+    Eager this form is the slow one (a pass per key), so the CPU keeps `_merge_fp32`."""
     return diagonal_forward(q, out, lse, k_diag, v_diag, scale)[0]  # the flash path's merge, its lse unused
 
 

@@ -13,11 +13,12 @@ and the diagonal keys, (B, nh, S) scores d_i = q·k_i/√hd with weights p_i = e
 
     dv_i = p_i dO,   dd_i = p_i (dO·v_i − rowsum(dO ⊙ O)),   dq += Σ dd_i k_i/√hd,   dk_i = dd_i q/√hd
 
-(summed over each key/value head's G query heads). On an H200 flex ran the 8B shape's causal prefix at ~190
-TFLOP/s (docs/benchmarks.md, the fifteenth GPU run); this is PyTorch's FlashAttention-2 kernel on CUDA, its flash
+(summed over each key/value head's G query heads). Flex runs the causal prefix well short of a GPU's peak
+(docs/benchmarks.md); this is PyTorch's FlashAttention-2 kernel on CUDA, its flash
 kernel on a CPU (where the tests compare it with the materialised scores), or with `kernel="cudnn"` cuDNN's fused
 attention (CUDA only; the same whole-softmax backward, as PyTorch's own ring attention calls it; cuDNN's kernels
-are Hopper-tuned where FlashAttention-2 and flex are not: the 8,192 step spent ~56 of its 285 ms in flex)."""
+are Hopper-tuned where FlashAttention-2 and flex are not, and at 8,192 positions attention is a fifth of the
+step)."""
 
 from __future__ import annotations
 

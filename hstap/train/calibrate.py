@@ -3,9 +3,9 @@
 The estimate (`hstap.train.ttt.simulated_tau`) replays greedy chain decoding over teacher-forced agreement on
 held-out answers; it is exact only when those answers are the target's own greedy output at the decoding dtype
 (tests/train/test_simulated_tau.py: equal cycle for cycle in fp32). The measurement decodes a few held-out prompts
-greedily with real chain speculative decoding (`hstap.evaluate.spec.Methods`, the runtime `hstap eval` runs, all
-prompts as one batch) with the current drafter against the target, on the training device. Logged side by side with their gap, the
-two say how far the estimate of a long run can be trusted. The prompts are the training source's held-out
+greedily with real chain speculative decoding (`hstap.evaluate.methods.Methods`, the runtime `hstap eval` runs, all
+prompts as one batch) with the current drafter against the target, on the training device. Logged side by side
+with their gap, the two say how far the estimate of a long run can be trusted. The prompts are the training source's held-out
 conversations (the first user turn, up to the first answer token): MT-bench is for judging, never for tuning.
 
     prompts = calibration_prompts(source, held_idx, n=8)
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from hstap.evaluate.run import MethodResult, Prompt
-from hstap.evaluate.spec import Methods
+from hstap.evaluate.results import MethodResult, Prompt
+from hstap.evaluate.methods import Methods
 from hstap.runtime.shapes import DraftShape
 
 MAX_PROMPT_TOKENS = 1024  # longer held-out prompts are passed over: the measurement should cost seconds

@@ -28,13 +28,35 @@ INIT_SIZES = {"draft_vocab": ("draft_vocab_size", "-token draft vocabulary"),
 
 
 class TrainConfig(BaseModel):
-    """Train an EAGLE-3 drafter offline from a store, or online with the target in this process."""
+    """Train an EAGLE-3 drafter offline from a store, or online with the target in this process.
+
+    The flags that need more than their help line (docs/train.md and docs/distributed.md say more):
+    - `ttt_attention`: flex fuses the TTT attention into one kernel on CUDA; flexdiag is one flex kernel over the
+      step-0 and diagonal keys with no separate merge; cudnn runs the flash path on cuDNN's fused attention;
+      flash is PyTorch's flash kernels (bf16/fp16 on CUDA); math materialises the scores (the exact reference).
+      flexdiag and cudnn are opt-in until timed on a GPU; the timings are in docs/benchmarks.md.
+    - `loss_on all`: prompt positions count too (the drafter computes them anyway, and the target's distribution
+      is the teacher there as well); held-out figures stay on answers.
+    - `init_from`: a run or export directory of the same target and layers, or a shipped drafter's name; a fresh
+      optimizer and schedule. A larger `draft_vocab` adds the most frequent tokens the drafter misses (fresh head
+      rows), a larger `draft_intermediate` adds MLP units that start with a zero output; smaller ones are refused.
+    - `online_dtype fp8`: the tapped states go through e4m3 with one scale per token and layer, with the store's
+      own quantiser and reader: an fp8-vs-bf16 A/B on the same data without writing two stores.
+    - `cuda_graphs`: each length bucket's batches are padded to one shape (about a tenth more positions computed)
+      so the step replays without its launch cost; it pays where the step is host-bound (small drafters, short
+      sequences). Under torchrun it needs `grad_reduce after`.
+    - `grad_reduce`: overlap is DDP (buckets all-reduced while the backward runs); after is one all-reduce of a
+      flat gradient buffer once the backward is done (no hooks, so the backward may be a replayed graph).
+      `grad_reduce_dtype bf16` halves the bytes on the link, each averaged gradient rounded to bf16 once.
+    - `prefetch`: online on CUDA, the next batch's prefill on a side stream; from a store, its read on a host
+      thread (always on with CUDA; on a CPU the read competes with the step's own threads).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     store: Path | None = option(None, "capture store to train from (offline)")
     skip_bad_shards: bool = option(False, "check every shard's checksum first and leave damaged ones out (counted "
-                                          "and reported) instead of stopping at the first")
+                                          "and reported)")
     online: bool = option(False, "run the target in-process; no store on disk")
     model: str = option("smollm2", "the target: 'smollm2' or a checkpoint dir")
     data: str = option("sharegpt", "(online) sharegpt | mt-bench | jsonl:PATH")
@@ -55,25 +77,19 @@ class TrainConfig(BaseModel):
     ttt_steps: int | None = option(None, "training-time-test unroll length (default 7 on a GPU, 3 on a CPU)", ge=1)
     decay: float = option(0.8, "weight of TTT step k is decay**k", gt=0, le=1)
     ttt_attention: Literal["auto", "cudnn", "flash", "flex", "flexdiag", "math"] = option(
-        "auto", "TTT attention kernel: flex (fused, CUDA), flexdiag (CUDA: one flex kernel over the step-0 and "
-        "the diagonal keys, no separate merge; not yet timed on a GPU), cudnn (CUDA: the flash path on cuDNN's "
-        "fused attention; not yet timed on a GPU), flash (PyTorch's flash kernels; bf16/fp16 on "
-        "CUDA; beside flex on an H200: 298 against 285 ms a step at 8,192 positions, as fast at 2,048; "
-        "docs/benchmarks.md), "
-        "math (materialised scores, exact reference), auto = flex on CUDA")
-    compile: bool = option(True, "(CUDA) fuse the drafter's elementwise chains (norms, rotary, the MLP's gate) with "
-                                 "torch.compile; a compiler that fails or disagrees falls back to eager, said once")
-    draft_vocab: int | None = option(None, "draft vocabulary size (default min(32000, V) on a GPU, min(8192, V) "
-                                           "on a CPU; with --init-from, the init drafter's: a larger size grows it, "
-                                           "a smaller one is refused)", ge=1)
+        "auto", "TTT attention kernel: flex, flexdiag, cudnn (CUDA), flash (bf16/fp16 on CUDA), math (exact "
+        "reference); auto = flex on CUDA")
+    compile: bool = option(True, "(CUDA) fuse the drafter's norms, rotary and MLP gate with torch.compile; falls "
+                                 "back to eager if it fails")
+    draft_vocab: int | None = option(None, "draft vocabulary size (default 32000 on a GPU, 8192 on a CPU, at most "
+                                           "the target's; with --init-from, the init drafter's: larger grows it)",
+                                     ge=1)
     draft_intermediate: int | None = option(None, "units of the drafter's MLP (default the target's "
-                                                  "intermediate_size, EAGLE-3's choice; with --init-from, the init "
-                                                  "drafter's: a larger width grows it, new units starting at zero "
-                                                  "output, a smaller one is refused)", ge=1)
+                                                  "intermediate_size; with --init-from, the init drafter's: larger "
+                                                  "grows it)", ge=1)
     loss_on: Literal["answers", "all"] = option(
-        "answers", "positions the loss counts: answers (those predicting an assistant token, EAGLE-3's recipe) or "
-        "all (prompt tokens too: the drafter computes them anyway and the target's distribution is the teacher "
-        "there as well; held-out figures stay on answers)")
+        "answers", "positions the loss counts: answers (those predicting an assistant token) or all (prompt "
+        "tokens too)")
     heldout: float = option(0.05, "fraction of samples held out for evaluation", ge=0, lt=1)
     seed: int = option(0, "seed of the split, the batch order and the initial weights")
     device: Device = option("cpu", "cpu | cuda | cuda:N")
@@ -84,37 +100,25 @@ class TrainConfig(BaseModel):
     time_budget_s: float | None = option(None, "fit the run (schedule included) into this wall time: 90s, 8m, 1h",
                                          flag="--time-budget", metavar="DURATION", gt=0)
     resume: bool = option(False, "continue from OUT/checkpoint exactly")
-    init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary (a run or export "
-                                    "dir of the same target and layers, or a shipped drafter's name: "
-                                    "smollm2-recipe; fresh optimizer and schedule); a larger --draft-vocab adds "
-                                    "the most frequent missing tokens, their head rows freshly initialised",
+    init_from: Path | None = option(None, "start from this drafter's weights and draft vocabulary: a run or export "
+                                    "dir of the same target and layers, or a shipped name (smollm2-recipe)",
                                     metavar="DIR|NAME")
     overwrite: bool = option(False, "start afresh in an OUT that holds a run: its checkpoint, metrics and weights "
                                     "are deleted first")
     online_dtype: Literal["bf16", "fp8"] = option(
-        "bf16", "(online) the tapped states as a store of this dtype hands them to the trainer: fp8 rounds them "
-        "through e4m3 with one scale per token and layer on the device, with the store's own quantiser and reader "
-        "(an fp8-vs-bf16 A/B on the same data without writing two stores)")
+        "bf16", "(online) round the tapped states as a store of this dtype holds them (fp8: e4m3, a scale per token "
+        "and layer)")
     cuda_graphs: bool = option(False, "(CUDA) replay the drafter's forward and backward from a CUDA graph per "
-                                      "length bucket: the step without its host launch cost, for a tenth more "
-                                      "positions computed (each bucket's batches padded to one shape); pays where "
-                                      "the step is host-bound (small drafters, short sequences); under torchrun "
-                                      "with --grad-reduce after")
+                                      "length bucket; under torchrun with --grad-reduce after")
     grad_reduce: Literal["auto", "overlap", "after"] = option(
-        "auto", "(several ranks) how the gradients are averaged: overlap (DDP: buckets all-reduced while the "
-        "backward runs), after (one all-reduce of a flat gradient buffer once the step's backward is done: "
-        "nothing overlapped, no hooks, so the backward may be a replayed CUDA graph), auto = after with "
-        "--cuda-graphs, else overlap")
+        "auto", "(several ranks) overlap (DDP, during the backward) or after (one flat all-reduce after it); auto = "
+        "after with --cuda-graphs, else overlap")
     grad_reduce_dtype: Literal["fp32", "bf16"] = option(
-        "fp32", "(several ranks) the dtype gradients cross the link in: bf16 halves the all-reduce's bytes (1.7 "
-        "GB → 0.85 GB a step for an 8B drafter), each averaged gradient rounded to bf16 once (the decoder layer's "
-        "weight gradients are sums of bf16 products already)")
-    prefetch: bool = option(False, "make the next batch while the drafter trains on this one: online (CUDA), its "
-                                   "prefill on a side stream; from a store (always on with CUDA), its read on a "
-                                   "host thread, which on a CPU competes with the step's own threads")
+        "fp32", "(several ranks) the dtype gradients cross the link in: bf16 halves the bytes")
+    prefetch: bool = option(False, "make the next batch while the drafter trains on this one (always on from a "
+                                   "store with CUDA)")
     calib_prompts: int | None = option(None, "held-out prompts decoded with the drafter at every evaluation to "
-                                             "measure τ against the estimate (0 = off; default 8 on a GPU, 2 on "
-                                             "a CPU)", ge=0)
+                                             "measure τ (0 = off; default 8 on a GPU, 2 on a CPU)", ge=0)
     calib_tokens: int = option(64, "new tokens per calibration prompt (greedy)", ge=2)
     calib_chain: int = option(3, "chain length the calibration drafts (capped at --ttt-steps)", ge=1)
 
@@ -140,7 +144,7 @@ class TrainConfig(BaseModel):
     def init_size(self, name: Literal["draft_vocab", "draft_intermediate"]) -> int:
         """The draft vocabulary or MLP width an `--init-from` run trains: the init drafter's own when unset (a GPU's
         default 32,000-token vocabulary would grow the shipped 16,384 unasked), a larger one set explicitly
-        (hstap.train.run grows the drafter), never a smaller one (shrinking would throw trained weights away)."""
+        (hstap.train.build grows the drafter), never a smaller one (shrinking would throw trained weights away)."""
         from hstap.drafter.config import DrafterConfig
         from hstap.drafter.shipped import drafter_config_path
 

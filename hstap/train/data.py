@@ -16,8 +16,9 @@ from hstap.capture.teacher import topk_logprobs
 from hstap.config import TeacherSpec
 from hstap.data import RenderedSample
 from hstap.errors import HstapError
-from hstap.store.fp8 import SCALE_PREFIX, dequantize_aux
+from hstap.store.fp8 import dequantize_aux
 from hstap.store.manifest import torch_dtype
+from hstap.store.names import SCALE_PREFIX, hidden_name, scale_name
 from hstap.train.ttt import TTTBatch, collate, empty_batch
 
 
@@ -126,10 +127,9 @@ class HostBatch:
 class StoreSource:
     """Offline: samples read lazily from a capture store. `prefetch(indices)` reads and collates a batch on a host
     thread while the device trains on the one before it: for an 8B target a 2,048-token batch is ~50 MB of
-    states, ~45 ms of page-ins and copies on a 2-core VM, which the step would otherwise wait for. With `pin` the
-    batch is collated into pinned memory the calling thread allocates (a CUDA call, kept off the worker, which
-    only copies), and copied to the GPU on a side stream: the copy overlaps the step before instead of delaying
-    the next (~2 ms for 50 MB at an H200's host link)."""
+    states, page-ins and copies the step would otherwise wait for. With `pin` the batch is collated into pinned
+    memory the calling thread allocates (a CUDA call, kept off the worker, which only copies), and copied to the
+    GPU on a side stream: the copy overlaps the step before instead of delaying the next."""
 
     def __init__(self, store, lm_head: torch.nn.Module | None = None, pin: bool = False):
         self.store = store
@@ -170,7 +170,7 @@ class StoreSource:
         """Uninitialised host tensors for the batch of `indices`, shaped from the manifest (pinned with `pin`)."""
         specs = self.store.manifest.tensors
         b, s = len(indices), max(self.lengths[i] for i in indices)
-        hidden = specs[f"hidden.{layer_ids[0]}"]
+        hidden = specs[hidden_name(layer_ids[0])]
         aux_dtype = torch_dtype(hidden.dtype)
         teacher = specs.get("teacher.hidden")
         k = 0 if teacher is not None else specs["teacher.topk_ids"].shape[-1]
@@ -257,11 +257,11 @@ def _as_store_sample(sample_id: str, tensors: dict[str, torch.Tensor], layer_ids
         "id": sample_id,
         "input_ids": tensors["input_ids"].long(),
         "loss_mask": tensors["loss_mask"].bool(),
-        "hidden": {k: tensors[f"hidden.{k}"] for k in layer_ids},
+        "hidden": {k: tensors[hidden_name(k)] for k in layer_ids},
         "teacher": {name[8:]: t for name, t in tensors.items() if name.startswith("teacher.")},
     }
-    if f"hidden_scale.{layer_ids[0]}" in tensors:  # an fp8 tap
-        sample["hidden_scale"] = {k: tensors[f"hidden_scale.{k}"] for k in layer_ids}
+    if scale_name(layer_ids[0]) in tensors:  # an fp8 tap
+        sample["hidden_scale"] = {k: tensors[scale_name(k)] for k in layer_ids}
     return sample
 
 
@@ -274,9 +274,9 @@ def split_heldout(ids: list[str], fraction: float, seed: int) -> tuple[list[int]
     return train, heldout
 
 
-BUCKET = 1024  # samples per sorting window. At 64, on the 2026-12-02 GPU recipe's 19,866 answers (mean 451 tokens)
-# and 32,768-token batches, a window held 1.4 batches, and its leftover batch made the average step carry 14.4k real
-# tokens (44 % of the budget, 58 % of the padded tokens real); at 1024, 28.8k (88 %, 91 %) in half the steps.
+BUCKET = 1024  # samples per sorting window. A window's last batch is a leftover, part empty: a window must hold
+# many batches. E.g. answers of ~450 tokens in 32,768-token batches: 64 samples make 1.4 batches, and the average
+# step carried 44 % of its token budget; 1024 samples make ~14, and it carried 88 % (in half the steps).
 
 
 def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int, seed: int, epoch: int,

@@ -7,8 +7,8 @@ Python), which is why `hstap train --cuda-graphs` was one process only. Here eve
 is a view into one flat buffer per dtype and device: the graphs, and an eager backward's in-place accumulation,
 add into it; after the step's last batch a single all-reduce sums it and one scale divides by the ranks. Nothing
 of it overlaps the backward; the price is the gradients' bytes over the link once a step (the 8B drafter: 424 M
-fp32 gradients, 1.7 GB, a few ms over NVLink against a ~75 ms replayed step, where the eager step it replaces
-spends ~20 ms of host launches).
+fp32 gradients, 1.7 GB). Over NVLink that is a small part of a replayed step, and less than the host launches
+the eager step it replaces spends (docs/distributed.md).
 
     flat = FlatGradients(params, dist)       # before the optimizer's first step and before any graph capture
     ... backward(s) of this step ...
@@ -30,7 +30,8 @@ class FlatGradients:
     """The gradients of `params` as views into one flat buffer per (dtype, device), averaged over `dist`'s ranks by
     one all-reduce each. Like DDP at wrap time, it first gives every rank rank 0's parameters. `reduce_dtype`
     (bf16): the buffer crosses the link in that dtype, half the bytes of fp32, each averaged gradient rounded to
-    it once, as DDP's bf16 compression hook does (one cast in, one cast back: ~1 ms of bytes for 1.7 GB)."""
+    it once, as DDP's bf16 compression hook does (one cast in, one cast back: two passes over bytes that cross
+    the link in half the time)."""
 
     def __init__(self, params: list[nn.Parameter], dist: Dist, reduce_dtype: torch.dtype | None = None):
         self.params, self.dist, self.reduce_dtype = list(params), dist, reduce_dtype

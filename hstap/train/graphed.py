@@ -1,9 +1,9 @@
 """The drafter's forward and backward for one batch, replayed from a CUDA graph instead of launched op by op.
 
-A TTT step is a few hundred small kernels per unroll step; on an H200 the host cannot launch them as fast as the
-device runs them (2026-12-04, bench/train_throughput.py --graph both: the 8B drafter at 2,048 positions 94 → 75 ms
-a step, the SmolLM2 drafter at 8 × 2,048 68 → 44 ms). Captured once per length bucket and replayed, a step
-costs the host one launch.
+A TTT step is a few hundred small kernels per unroll step, most of them too small to keep a large GPU busy for
+longer than the host takes to launch the next: the device waits on Python (`bench/train_throughput.py --graph
+both` measures it; docs/benchmarks.md). Captured once per length bucket and replayed, a step costs the host one
+launch.
 
     graphed = GraphedTTT(model, grad_scale=1 / grad_accum, batch_tokens=cfg.batch_tokens)
     loss, stats = graphed(batch, autocast)   # gradients added into p.grad, as loss.backward() would

@@ -3,8 +3,8 @@
 A TTT step's head turns each block of logits (c, Vd) into each row's loss against the teacher, its argmax and the
 gradient d loss / d logits. The bytes that takes are one read of the logits to find the row's max, argmax and
 log-sum-exp (online: the max and the sum in one pass), a second read to write the gradient, and the K teacher
-entries. The compiled `block_numbers` took twice that on an H200 (230 µs a 2,048 × 32,000 bf16 block, 2026-12-04:
-~1.6 ms of the 8B step at 2,048 positions, ~6.7 ms at 8,192). Here one program per row:
+entries. The compiled `block_numbers` took twice as long as those bytes need, on the 8B step a few percent of it
+(docs/benchmarks.md has the GPU profiles). Here one program per row:
 
     pass 1   m, Σ exp(x − m), argmax over the row, a chunk at a time      → lse = m + log Σ
              loss = −Σ_j p_j (x[id_j] − lse)

@@ -3,8 +3,7 @@
 A step-k query's softmax covers the causal step-0 keys (their attention already computed, with log-sum-exp L)
 and k diagonal keys at its own position (hstap.train.attention). Merging them is bandwidth work — every byte of
 q, the prefix output and the diagonal keys read once — but the compiled pointwise merge ran ~10× slower than
-its bytes allow: 1.1 ms forward and 2.3 ms backward per step on the 8B shape at 8,192 positions, ~19 ms of a
-304 ms training step (H200 profiles, 2026-12-04; ~4.5 ms of 69 at 2,048). Here:
+its bytes allow, ~6 % of the 8B training step in GPU profiles (docs/benchmarks.md). Here:
 
     merged, total = merge_forward(q, out, lse, k_diag, v_diag, scale)       # one online-softmax pass over the k keys
     dq, dk, dv, d_out, d_lse = merge_backward(q, d_merged, merged, total, k_diag, v_diag, scale, out, lse)
@@ -26,7 +25,7 @@ import torch
 
 from hstap.compiling import Kernels, tl, triton_available, triton_jit
 
-BLOCK_S = 8  # positions per program. Compiled for an H200 (sm_90, heads of 128, 8 warps; registers read from the
+BLOCK_S = 8  # positions per program. Compiled for sm_90 (Hopper; heads of 128, 8 warps; registers read from the
 # cubin with cuobjdump, no GPU needed): 64-78 registers a thread, 3 programs an SM; at 32 positions 240-254, one
 # program (8 warps) an SM, too few loads in flight for a kernel that only moves bytes
 

@@ -39,7 +39,7 @@ class Answer:
 
 def greedy_answers(target, prompts, max_new_tokens: int, batch_size: int = 16) -> list[Answer]:
     """The target's greedy answers on hstap's runtime (the vanilla decoding of `hstap eval`)."""
-    from hstap.evaluate.spec import Methods
+    from hstap.evaluate.methods import Methods
 
     out: list[Answer] = []
     for i in range(0, len(prompts), batch_size):
@@ -73,7 +73,7 @@ def chain_runs(target, drafter, answers: list[Answer], depth: int, batch_size: i
 
 
 def lookup(tokens: list[int], c: int, depth: int, match: int) -> tuple[list[int], int]:
-    """Prompt lookup as `hstap.runtime.draft.draft_ngram` does it with token c the root: the `depth` tokens after
+    """Prompt lookup as `hstap.runtime.proposals.draft_ngram` does it with token c the root: the `depth` tokens after
     the latest earlier occurrence of tokens[c-n+1 .. c], n = match .. 1, the longest found; → (draft, n), n = 0
     and the root repeated when nothing matched. Drafts past the context repeat the root."""
     for n in range(match, 0, -1):

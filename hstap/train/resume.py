@@ -12,7 +12,7 @@ with):
   `--weight-decay`, `--grad-clip`), `--batch-tokens` (the data plan: a mid-epoch position means other batches
   under another size) and `--time-budget`. A resumed run must continue the run it resumes, not half of another.
   `--init-from` only starts a run: left out on a resume, the run's own is kept (and recorded); another is refused.
-  `--draft-vocab`/`--draft-intermediate` are checked against the drafter itself (hstap.train.run) and
+  `--draft-vocab`/`--draft-intermediate` are checked against the drafter itself (hstap.train.build) and
   `--grad-accum` through the global batch (ranks × it must stay the same).
 - **applied and recorded** (`LENGTH`): `--epochs` and `--max-steps`. The schedule's length is recomputed from them:
   from the resumed step on, the learning rate is the one a run planned with the new length has at that step (a

@@ -1,5 +1,5 @@
 """The run directory's life: checks that need no model (run first, on every rank), no run written over by
-accident, a fresh start on `--overwrite`, and when to checkpoint.
+accident, a fresh start on `--overwrite`, when to checkpoint, and the trained drafter's last write.
 
     hstap train --store runs/cap --out runs/d                  # runs/d holds a run: refused, in one line
     hstap train --store runs/cap --out runs/d --resume         # continue it from its checkpoint
@@ -14,14 +14,17 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from hstap.errors import HstapError
 from hstap.preflight import check_device, check_out_dir
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 
-# what a training run writes into OUT (hstap.train.run, checkpoint, tblog, plots): what --overwrite deletes
+if TYPE_CHECKING:
+    from hstap.drafter import Eagle3Drafter
+
+# what a training run writes into OUT (hstap.train.trainer, checkpoint, tblog, plots): what --overwrite deletes
 RUN_FILES = ("checkpoint", ".checkpoint.tmp", ".checkpoint.old", "metrics.jsonl", "metrics.jsonl.tmp", "tb",
              "config.json", "model.safetensors", "model.safetensors.tmp", "checksum.json", "checksum.json.tmp",
              "train_config.json", "train_config.json.tmp", "loss.png", "accuracy.png", "tau_estimate.png")
@@ -151,3 +154,20 @@ class CheckpointClock:
 
     def saved(self) -> None:
         self.last = self.clock()
+
+
+def save_final(drafter: Eagle3Drafter, out: Path, step: int) -> str | None:
+    """Write the drafter's weights and the plots; on a full disk, the one-line error to raise on every rank (the
+    final checkpoint is in place: `--resume` writes them again without training)."""
+    from safetensors import SafetensorError
+
+    from hstap.train.plots import plot_metrics
+
+    try:
+        drafter.save_pretrained(out, step=step)  # the step marks it as the finished run's (resume.drafter_written_at)
+        plot_metrics(out / "metrics.jsonl", out)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        why = getattr(exc, "strerror", None) or str(exc)
+        return (f"{out}: {why} while writing the trained drafter; the checkpoint of step {step} is in place: free "
+                "space, then run the same command with --resume")
+    return None

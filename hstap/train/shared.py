@@ -2,8 +2,8 @@
 
 A training step runs the drafter's one decoder layer `steps` times (7 on a GPU), so each projection weight gets
 `steps` weight gradients. Autograd rounds each product to bf16, then adds them pairwise in bf16, one more pass
-over the weight per step: on the 8B shape 8.7 GB of elementwise traffic a training step (a fake-tensor op trace,
-2026-12-04: the largest single non-matmul cost). Here each step's weight-gradient matmul adds its product into
+over the weight per step: on the 8B shape 8.7 GB of elementwise traffic a training step (a fake-tensor op trace:
+the largest single non-matmul cost). Here each step's weight-gradient matmul adds its product into
 one running sum in its epilogue (`addmm_`, β = 1: the fp32 accumulator rounded once, where autograd rounded the
 product and then the sum), and the sum goes to the parameters once, after the last step's backward.
 

@@ -8,9 +8,9 @@
 
 Reading a loss back (`float(loss)`) waits for every kernel queued before it. Done each step, the GPU then idles
 while the host turns to the next step: its Python, the next batch's copy, the launches until the first kernel
-runs. For a step replayed from a CUDA graph those are a few milliseconds of a ~75 ms 8B step. Here the numbers
-are copied to pinned host memory on the device's own queue, an event marks the copy, and they are read once
-the next step is queued behind them.
+runs. A step replayed from a CUDA graph costs the host so little that this idle time is a visible part of it.
+Here the numbers are copied to pinned host memory on the device's own queue, an event marks the copy, and they
+are read once the next step is queued behind them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class StepLog:
 
     def __init__(self, write: Callable[[dict], None], bar=None):
         self.write = write
-        self.bar = bar  # a tqdm bar whose postfix shows the last written loss
+        self.bar = bar  # a progress bar (hstap.progress) whose postfix shows the last written loss
         self._held: tuple[dict, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def hold(self, record: dict, loss: torch.Tensor, grad_norm: torch.Tensor, step_losses: torch.Tensor) -> None:

@@ -173,7 +173,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, t2d_ids: torch.Tensor, 
     teacher_ids, teacher_probs, teacher_inside = teacher_in_draft_vocab(batch.topk_ids, batch.topk_logprobs, t2d_ids)
     # every step's shifted inputs are windows of one padded copy (`shift_windows`), and its rotary tables a window of
     # one table over positions 0..S+steps: a view per step instead of a fill and a concatenation per tensor per
-    # step (an 8B step at 2,048 positions is host-bound on an H200, 2026-12-04)
+    # step (an 8B step at 2,048 positions is host-bound on a GPU: every operator call saved is a launch saved)
     most = steps + 1
     # the embeddings of tokens t+1+k, embeds_at(1 + k): one lookup of the padded ids for every step
     embeds_at = shift_windows(batch.input_ids, 0, most, drafter.embed_tokens, hidden.dtype)
@@ -239,8 +239,9 @@ def simulated_tau(run_lengths: torch.Tensor, answer: torch.Tensor, draft_tokens:
 
     `estimated_tau` averages over every position, but decoding does not visit every position: a cycle that
     accepts a drafts jumps a + 1 tokens ahead, so easy stretches are crossed in few cycles and hard ones token by
-    token. Replaying the jumps weights positions as decoding does (the 2026-12-01 GPU run: per-position 2.21
-    against a measured 1.90 on the same kind of prompts). Each answer segment (a run of answer tokens, one per
+    token. Replaying the jumps weights positions as decoding does; the per-position average counts an easy
+    position as often as a hard one and so overstates τ (docs/benchmarks.md compares both with a measured τ).
+    Each answer segment (a run of answer tokens, one per
     turn) starts as decoding does: its first token comes from the prefill; with token c the last one committed,
     a cycle is step 0 at position c − 1 (it predicts token c + 1). Exact for greedy decoding when the answers are
     the target's own greedy output and the drafter computes what it computed here.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hstap.capture.arch import SGLANG, VLLM, Layout, architecture, resolve_layout
-from hstap.capture.engine import EngineCaptureConfig, close_sessions
+from hstap.capture.engine_session import EngineCaptureConfig, close_sessions
 from hstap.cli import main
 from hstap.errors import HstapError
 from tests.capture.engine_model import skeleton

@@ -59,7 +59,8 @@ def test_embedded_capture_stops_when_its_layer_hooks_never_fire(target, n, batch
     stored = []
     with layers_called_through_forward(target.model), pytest.raises(HstapError) as info:
         prefill_with_tap(target, _samples(target.tokenizer, n), [1, 14, 26], TeacherSpec(kind="hidden", k=0),
-                         lambda sid, t: stored.append(sid), batch_tokens=batch_tokens, progress=False)
+                         lambda sid, t: stored.append(sid), dtype="bf16", batch_tokens=batch_tokens, device="cpu",
+                         progress=False)
     message = str(info.value)
     assert "\n" not in message and not stored
     head = ("the capture hooks on model.layers.1 (hidden.1), model.layers.14 (hidden.14), model.layers.26 "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hstap.capture.engine import REQUESTS_NAME, Expected
+from hstap.capture.engine_session import REQUESTS_NAME, Expected
 from hstap.capture.remote import announce
 from hstap.data import RenderedSample
 

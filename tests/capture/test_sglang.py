@@ -15,7 +15,7 @@ import shlex
 import pytest
 import torch
 
-from hstap.capture.engine import REQUESTS_NAME, close_sessions
+from hstap.capture.engine_session import REQUESTS_NAME, close_sessions
 from hstap.cli import main
 from hstap.config import TeacherSpec
 from hstap.store import open_store

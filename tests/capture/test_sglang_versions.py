@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hstap.capture.arch import SGLANG, sglang_row
-from hstap.capture.engine import REQUESTS_NAME, close_sessions
+from hstap.capture.engine_session import REQUESTS_NAME, close_sessions
 from hstap.cli import main
 from hstap.store.compare import compare_stores
 from tests.capture.conftest import LAYERS

@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from hstap.capture.engine import REQUESTS_NAME, EngineCaptureConfig, EngineSession, Span
+from hstap.capture.engine_session import REQUESTS_NAME, EngineCaptureConfig, EngineSession, Span
 from hstap.store import open_store
 
 

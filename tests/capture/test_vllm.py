@@ -12,7 +12,7 @@ import torch
 
 import hstap.capture.vllm as hv
 from hstap.capture.arch import VLLM
-from hstap.capture.engine import REQUESTS_NAME, EngineCaptureConfig
+from hstap.capture.engine_session import REQUESTS_NAME, EngineCaptureConfig
 from hstap.errors import HstapError
 from hstap.store import open_store
 from hstap.store.compare import compare_stores
@@ -175,7 +175,7 @@ def test_real_vllm_engine_equals_transformers(tmp_path, convs, samples):
 
 
 def test_vllm_flags_prints_the_launch_flags_and_the_rpc_body(tmp_path, capsys):
-    from hstap.capture.engine import EngineCaptureConfig
+    from hstap.capture.engine_session import EngineCaptureConfig
     from hstap.cli import main
 
     assert main(["vllm-flags", "--model", "smollm2", "--out", str(tmp_path / "cap"), "--rpc"]) == 0

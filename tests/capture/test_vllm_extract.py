@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hstap.capture.engine import EngineCaptureConfig
+from hstap.capture.engine_session import EngineCaptureConfig
 from hstap.capture.vllm_extract import (
     PLAN_NAME,
     FinalNorm,

@@ -80,7 +80,9 @@ def test_the_recipe_drafter_drafts_the_real_targets_answers(target, cache):
     token for token, and the drafter's acceptance is well above an untrained one's (τ 1.0; 2.03 on all 80 questions
     × 256 tokens on an H200; 1.68 here, 1.31–2.24 on six questions × 48 tokens)."""
     from hstap.data import load_mtbench, render_prompt
-    from hstap.evaluate.run import Prompt, evaluate_shapes, load_drafter
+    from hstap.drafter.load import load_drafter
+    from hstap.evaluate.results import Prompt
+    from hstap.evaluate.run import evaluate_shapes
     from hstap.runtime.shapes import DraftShape
 
     drafter = load_drafter("smollm2-recipe", target)

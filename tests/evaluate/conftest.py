@@ -9,7 +9,7 @@ import torch
 
 from hstap.data import iter_sharegpt, load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
-from hstap.evaluate.run import Prompt
+from hstap.evaluate.results import Prompt
 
 
 @pytest.fixture(scope="session")

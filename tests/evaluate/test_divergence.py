@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hstap.evaluate.divergence import WITHIN_ROUNDING_ULPS, first_difference, margin, rounding_step
-from hstap.evaluate.run import Prompt, evaluate_shapes
+from hstap.evaluate.results import Prompt
+from hstap.evaluate.run import evaluate_shapes
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder
 from tests.evaluate.tiny import tiny_drafter, tiny_target

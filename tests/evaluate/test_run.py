@@ -13,7 +13,8 @@ from hstap.cli import main
 from hstap.drafter import draft_to_target_ids
 from hstap.errors import HstapError
 from hstap.evaluate.config import EvalConfig
-from hstap.evaluate.run import BASELINE_NOISE, EvalResult, Prompt, evaluate_shapes, load_prompts, run_eval
+from hstap.evaluate.results import BASELINE_NOISE, EvalResult, Prompt
+from hstap.evaluate.run import evaluate_shapes, load_prompts, run_eval
 from hstap.runtime.shapes import DraftShape
 from tests.evaluate.tiny import tiny_drafter, tiny_target
 
@@ -156,7 +157,7 @@ def test_warming_each_batch_runs_every_method_untimed_first_and_changes_no_token
                                                                                  monkeypatch):
     """warm_each_batch (the CUDA default): before each batch's timed runs, every method decodes that batch for
     one token; what is recorded is the same greedy output as without it."""
-    from hstap.evaluate.spec import Methods
+    from hstap.evaluate.methods import Methods
 
     shapes = [DraftShape.parse("chain:2")]
     args = (target.model, drafter, prompts[:2], shapes, 6, stop_ids, 0.0, 0, 0, False)

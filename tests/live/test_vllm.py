@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from hstap.capture.config import RemoteCaptureConfig
-from hstap.capture.engine import REPORT_NAME, REQUESTS_NAME
+from hstap.capture.engine_session import REPORT_NAME, REQUESTS_NAME
 from hstap.capture.remote import run_remote
 from hstap.capture.vllm_extract import STORAGE_NAME
 from hstap.cli import main

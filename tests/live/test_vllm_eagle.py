@@ -164,7 +164,7 @@ def replay():
     """`replay(prompts, answers, layer_ids) -> per-prompt (tokens, cycles)` of hstap's chain-3 greedy decoding
     along the given answers, its drafter fed the target's layers `layer_ids` (the target in fp32, as on a CPU).
     Each (prompt, answer, layers) is replayed once per module: both servers give the same answers."""
-    from hstap.evaluate.run import load_drafter
+    from hstap.drafter.load import load_drafter
     from hstap.models import load_target
     from hstap.runtime.shapes import DraftShape
     from hstap.train import replay as rp

@@ -10,7 +10,8 @@ import torch
 
 from hstap.data import open_source, render_prompt
 from hstap.runtime.decode import EagerStepper, Request, decode, left_pad
-from hstap.runtime.engine import Engine
+from hstap.errors import HstapError
+from hstap.runtime.engine import Engine, OverPositions
 from hstap.runtime.target import Runtime
 
 NEW = 16
@@ -132,10 +133,17 @@ def test_listeners_get_tokens_as_decoded_and_can_free_the_row(target, prompts, e
 
 
 def test_prompt_past_the_context_is_refused(target):
+    """The one check of the prompt-length rule: at submit, an HstapError (OverPositions, which synth files as never
+    to retry) in one line naming the sizes, the limit and what would fit."""
     engine = Engine(target, max_batch=2, max_len=64)
     try:
-        with pytest.raises(Exception, match="max_new_tokens"):
+        with pytest.raises(OverPositions) as info:
             engine.submit(Request(list(range(60)), 10))
+        assert isinstance(info.value, HstapError) and str(info.value) == (
+            "prompt of 60 tokens + max_new_tokens 10 exceeds the model's 64 positions: max_new_tokens 4 would fit")
+        with pytest.raises(OverPositions, match="64 positions: shorten the prompt$"):
+            engine.submit(Request(list(range(64)), 1))
+        assert engine.generate([Request(list(range(1, 60)), 5)])[0].prompt_tokens == 59, "a request that fits runs"
     finally:
         engine.close()
 

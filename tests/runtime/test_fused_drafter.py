@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from hstap.runtime import graphs
-from hstap.runtime.draft import Block, draft_chain, draft_ngram, draft_tree
-from hstap.runtime.drafter import LeanDrafter
+from hstap.runtime.proposals import Block, draft_chain, draft_ngram, draft_tree
+from hstap.runtime.lean_drafter import LeanDrafter
 from hstap.runtime.graphs import InCapture, graph_body
 from hstap.runtime.shapes import DraftShape
 from hstap.runtime.spec import SpecDecoder
 from hstap.runtime.target import Runtime
-from tests.runtime.test_draft import _prefilled, tiny_drafter
+from tests.runtime.test_proposals import _prefilled, tiny_drafter
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
 

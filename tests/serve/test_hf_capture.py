@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hstap import faults
-from hstap.capture.engine import REPORT_NAME, EngineCaptureConfig, session_for
+from hstap.capture.engine_session import REPORT_NAME, EngineCaptureConfig, session_for
 from hstap.capture.hf_engine import HfEngineTaps
 from hstap.capture.hooks import SILENT_AFTER
 from hstap.capture.remote import announce

@@ -64,7 +64,7 @@ def plain(target) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def spec(target) -> Iterator[str]:
     """`... --drafter reference --draft hybrid:4,2`."""
-    from hstap.evaluate.run import load_drafter
+    from hstap.drafter.load import load_drafter
 
     app = create_capture_app(target, NAME, None, max_batch=4, drafter=load_drafter("reference", target),
                              draft="hybrid:4,2", prefill="lean")

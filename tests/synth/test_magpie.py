@@ -18,7 +18,7 @@ NEW = 24  # enough for short messages to end (the seeded round below has two tha
 
 @pytest.fixture(scope="module")
 def sampler(target):
-    s = MagpieSampler(target, seed=0, batch_size=BATCH, max_new_tokens=NEW)
+    s = MagpieSampler(target, seed=0, batch_size=BATCH, temperature=1.0, top_p=0.99, max_new_tokens=NEW)
     yield s
     s.close()
 
@@ -66,10 +66,10 @@ def test_round_samples_user_messages_that_stop(first_round):
 
 def test_same_seed_same_prompts(target):
     # three rows of three tokens: cheap on a CPU, and two seeds agreeing on all of them by chance is ~1e-4
-    short = MagpieSampler(target, seed=0, batch_size=3, max_new_tokens=3)
+    short = MagpieSampler(target, seed=0, batch_size=3, temperature=1.0, top_p=0.99, max_new_tokens=3)
     try:
         a, b = short.round(8), short.round(8)
-        other = MagpieSampler(target, seed=1, batch_size=3, max_new_tokens=3)
+        other = MagpieSampler(target, seed=1, batch_size=3, temperature=1.0, top_p=0.99, max_new_tokens=3)
         try:
             c = other.round(8)
         finally:

@@ -52,8 +52,8 @@ def _complete(script, urls=("http://a:1",), retries=3, models=(MODEL,), model=No
     seen: list[str] = []
 
     async def go():
-        async with ServerBackend(list(urls), model=model, retries=retries, backoff=0.0,
-                                 transport=_mock(script, seen, models)) as backend:
+        async with ServerBackend(list(urls), model=model, timeout=5.0, retries=retries, backoff=0.0,
+                                 max_connections=4, seed=0, transport=_mock(script, seen, models)) as backend:
             return backend.model_id, await backend.complete(ASK, SAMPLING)
 
     return asyncio.run(go()), seen

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-import hstap.train.run as run_module
+import hstap.train.budget as budget_module
+import hstap.train.trainer as trainer_module
+from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.run import run_train
 
@@ -39,7 +41,7 @@ def weights(drafter) -> dict:
 
 
 if stop_after:
-    real_save = run_module.checkpoint.save
+    real_save = checkpoint.save
 
     def save_then_stop(out_dir, drafter, optimizer, scheduler, state, dist):
         real_save(out_dir, drafter, optimizer, scheduler, state, dist)
@@ -47,7 +49,7 @@ if stop_after:
             torch.save(weights(drafter), dump / f"rank{torch.distributed.get_rank()}.pt")
             raise Preempted
 
-    run_module.checkpoint.save = save_then_stop
+    checkpoint.save = save_then_stop
 common = dict(store=store, max_steps=max_steps, epochs=10, batch_tokens=512, draft_vocab=2048, ttt_steps=2,
               heldout=0.05, calib_prompts=0)
 try:
@@ -77,13 +79,15 @@ if term_out is not None:
     torch.save({"signum": ended}, dump / f"term_rank{torch.distributed.get_rank()}.pt")
 if budget_out is not None:
     clock, tick = {"t": 0.0}, 1.0 + 0.5 * torch.distributed.get_rank()
-    real_load = run_module.load_batch
+    real_load = trainer_module.load_batch
 
     def load_tick(*args, **kw):
         clock["t"] += tick
         return real_load(*args, **kw)
 
-    run_module.load_batch, run_module.time.perf_counter = load_tick, lambda: clock["t"]
+    # every batch fetched ticks the clock: the budget's probe and the training steps
+    budget_module.load_batch = trainer_module.load_batch = load_tick
+    trainer_module.time.perf_counter = lambda: clock["t"]
     result = run_train(TrainConfig(out=budget_out, time_budget_s=24, checkpoint_every=200,
                                    **{**common, "max_steps": None, "epochs": 50}), progress=False)
     rank = torch.distributed.get_rank()

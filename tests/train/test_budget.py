@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hstap.train.run import fit_to_budget, probe_sizes, refit_to_budget
+from hstap.train.budget import fit_to_budget, probe_sizes, refit_to_budget
 
 # (total, step, seconds_per_step, seconds_left, expected): expected worked out by hand as
 # min(total, step + whole steps that fit in seconds_left), at least step + 1

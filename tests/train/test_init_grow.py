@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hstap.train.run as run_module
+import hstap.train.build as build_module
 from hstap.drafter import Eagle3Drafter, draft_to_target_ids, target_to_draft_ids
 from hstap.errors import HstapError
 from hstap.train.config import TrainConfig
+from hstap.train.data import load_batch
 from hstap.train.run import run_train
 
 # batches of 256 tokens (were 768): the tests check what the grown drafter starts from, not what a step learns
@@ -53,11 +54,11 @@ def test_a_larger_draft_vocab_grows_the_init_drafter_keeping_its_rows(small_stor
         built["grown"] = copy.deepcopy(real_build(cfg, target, source, train_idx, layer_ids))
         fresh_cfg = cfg.model_copy(update={"init_from": None})
         built["fresh"] = real_build(fresh_cfg, target, source, train_idx, layer_ids)
-        built["batch"] = run_module.load_batch(source, train_idx[:2], layer_ids, torch.device("cpu"))
+        built["batch"] = load_batch(source, train_idx[:2], layer_ids, torch.device("cpu"))
         return copy.deepcopy(built["grown"])
 
-    real_build = run_module._build_drafter
-    monkeypatch.setattr(run_module, "_build_drafter", build_and_keep)
+    real_build = build_module.build_drafter
+    monkeypatch.setattr(build_module, "build_drafter", build_and_keep)
     out = tmp_path / "grown"
     result = run_train(TrainConfig(store=small_store, out=out, init_from=small_run, draft_vocab=LARGE, max_steps=1,
                                    **FAST), progress=False)
@@ -139,11 +140,11 @@ def test_a_wider_mlp_grows_the_init_drafter_computing_what_it_did(small_store, s
 
     def build_and_keep(cfg, target, source, train_idx, layer_ids):
         built["grown"] = copy.deepcopy(real_build(cfg, target, source, train_idx, layer_ids))
-        built["batch"] = run_module.load_batch(source, train_idx[:2], layer_ids, torch.device("cpu"))
+        built["batch"] = load_batch(source, train_idx[:2], layer_ids, torch.device("cpu"))
         return copy.deepcopy(built["grown"])
 
-    real_build = run_module._build_drafter
-    monkeypatch.setattr(run_module, "_build_drafter", build_and_keep)
+    real_build = build_module.build_drafter
+    monkeypatch.setattr(build_module, "build_drafter", build_and_keep)
     out = tmp_path / "wide"
     result = run_train(TrainConfig(store=small_store, out=out, init_from=small_run, draft_intermediate=WIDE,
                                    max_steps=1, **FAST), progress=False)

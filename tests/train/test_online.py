@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import hstap.train.run as run_module
+import hstap.train.build as build_module
 from hstap.config import rounding_step
 from hstap.data import SkipReport, render_all
 from hstap.train.config import TrainConfig
@@ -108,7 +108,7 @@ COMMON = dict(online=True, data="sharegpt", limit=16, max_tokens=64, max_steps=3
 def two_runs(tmp_path_factory):
     """The same online run through the capture path (OnlineSource, no calibration) and through the device source
     (prefetching, calibrating on 2 held-out prompts × 8 tokens)."""
-    real_open = run_module._open_source
+    real_open = build_module.open_source
 
     def capture_path(cfg, target, device):
         source, layer_ids, teacher = real_open(cfg, target, device)
@@ -116,7 +116,7 @@ def two_runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("online")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "_open_source", capture_path)
+        patch.setattr(build_module, "open_source", capture_path)
         old = run_train(TrainConfig(out=out / "old", calib_prompts=0, **COMMON), progress=False)
     new = run_train(TrainConfig(out=out / "new", prefetch=True, calib_prompts=2, calib_tokens=8, **COMMON),
                     progress=False)

@@ -13,8 +13,8 @@ from hstap.data import load_mtbench, render_prompt
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
 from hstap.drafter.vocab import target_to_draft_ids
 from hstap.train.replay import chain_runs, greedy_answers, lookup, replay
-from hstap.evaluate.run import Prompt
-from hstap.evaluate.spec import Methods
+from hstap.evaluate.results import Prompt
+from hstap.evaluate.methods import Methods
 from hstap.runtime.shapes import DraftShape
 from hstap.train.online import DeviceOnlineSource
 from hstap.data.render import RenderedSample

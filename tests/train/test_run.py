@@ -192,24 +192,26 @@ ON_A_FAKE_CLOCK = {**FAST, "ttt_steps": 1}
 
 def _batch_clock(monkeypatch) -> dict[str, float]:
     """The trainer's clock made fake: it stands still except for one second per batch fetched."""
-    import hstap.train.run as run_module
+    import hstap.train.budget as budget_module
+    import hstap.train.trainer as trainer_module
 
     clock = {"t": 0.0}
-    real_load = run_module.load_batch
+    real_load = trainer_module.load_batch
 
     def load_tick(*args, **kw):
         clock["t"] += 1.0
         return real_load(*args, **kw)
 
-    monkeypatch.setattr(run_module, "load_batch", load_tick)
-    monkeypatch.setattr(run_module.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(budget_module, "load_batch", load_tick)  # the probe's batches
+    monkeypatch.setattr(trainer_module, "load_batch", load_tick)  # the steps'
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: clock["t"])
     return clock
 
 
 def test_time_budget_rescales_the_schedule_and_resumes_with_it(small_store, tmp_path, monkeypatch):
     """A fake clock (one second per batch fetched): the probe fits the run to the budget before step 1, the
     schedule warms up and reaches zero at the fitted end, and a resumed run keeps the fitted schedule."""
-    clock = _batch_clock(monkeypatch)
+    _batch_clock(monkeypatch)
     budget = 30  # the probe's batches (at most 13), then one-second steps
     cfg = TrainConfig(store=small_store, out=tmp_path / "run", epochs=50, batch_tokens=256, time_budget_s=budget,
                       checkpoint_every=1000, **ON_A_FAKE_CLOCK)
@@ -232,8 +234,8 @@ def test_a_budgeted_run_refits_to_the_steps_it_times(small_store, tmp_path, monk
     H200 on 2026-12-03, 0.73 s against 0.22 s): the run re-fits its step count to the steps it has timed and
     fills the budget instead of stopping at a quarter of it, with the schedule decayed to zero at the new end."""
     clock = _batch_clock(monkeypatch)
-    monkeypatch.setattr("hstap.train.run.seconds_per_step", lambda *a, **kw: 4.0)
-    monkeypatch.setattr("hstap.train.run.REFIT_EVERY", 2)
+    monkeypatch.setattr("hstap.train.budget.seconds_per_step", lambda *a, **kw: 4.0)
+    monkeypatch.setattr("hstap.train.budget.REFIT_EVERY", 2)
     budget = 16
     cfg = TrainConfig(store=small_store, out=tmp_path / "run", epochs=50, batch_tokens=256, time_budget_s=budget,
                       checkpoint_every=1000, **ON_A_FAKE_CLOCK)
@@ -276,7 +278,7 @@ def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
 def test_online_loops_cut_trains_on_the_cut_samples_and_says_so(target, tmp_path, capsys):
     """`--loops cut` reaches the online trainer: a conversation whose answer loops is shorter by the loop and its
     end of turn, the other is unchanged, and the count is printed before training."""
-    from hstap.train.run import _open_source
+    from hstap.train.build import open_source
 
     sentence = "I'm here to help you with your project, and I'm happy to share my expertise with you. "
     rows = [{"id": "loops", "messages": [{"role": "user", "content": "Can you help me with my project?"},
@@ -288,7 +290,7 @@ def test_online_loops_cut_trains_on_the_cut_samples_and_says_so(target, tmp_path
     lengths = {}
     for loops in ("keep", "cut"):
         cfg = TrainConfig(online=True, data=f"jsonl:{data}", out=tmp_path / loops, loops=loops, **FAST)
-        source, _, _ = _open_source(cfg.sized_for_device(), target, torch.device("cpu"))
+        source, _, _ = open_source(cfg.sized_for_device(), target, torch.device("cpu"))
         lengths[loops] = source.lengths
     per_period = len(target.tokenizer(sentence, add_special_tokens=False)["input_ids"])
     assert lengths["cut"][1] == lengths["keep"][1]

@@ -12,8 +12,8 @@ from hstap.data import load_mtbench, render_prompt
 from hstap.data.render import RenderedSample
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
 from hstap.drafter.vocab import target_to_draft_ids
-from hstap.evaluate.run import MethodResult
-from hstap.evaluate.spec import Methods
+from hstap.evaluate.results import MethodResult
+from hstap.evaluate.methods import Methods
 from hstap.runtime.shapes import DraftShape
 from hstap.train.heldout import first_answers, replayed_first_answers
 from hstap.train.online import DeviceOnlineSource
@@ -39,7 +39,7 @@ def test_simulation_walks_cycles_per_answer_segment():
 
 def test_simulated_tau_equals_measured_chain_decoding(target, tokenizer):
     torch.manual_seed(0)
-    model, stop_ids = target.model, set(target.stop_ids)
+    model = target.model
     prompts = [render_prompt(q.messages[:1], tokenizer) for q in load_mtbench()[:3]]
     # the target's own greedy answers, a little longer than the decoding below so no cycle runs off their end
     vanilla = Methods(model, None, len(prompts), max(map(len, prompts)) + NEW + EXTRA).run(

@@ -31,7 +31,7 @@ def test_a_training_step_reads_nothing_back(small_store, target, monkeypatch):
     from hstap.store import open_store
     from hstap.train import distributed
     from hstap.train.data import StoreSource, load_batch
-    from hstap.train.run import accumulate
+    from hstap.train.trainer import accumulate
     from hstap.train.ttt import TTTModel, autocast
 
     store = open_store(small_store)

@@ -26,8 +26,9 @@ import hstap.faults as faults
 from hstap.cli import main
 from hstap.errors import HstapError
 from hstap.train import checkpoint
+from hstap.train.budget import WarmupCosine
 from hstap.train.config import TrainConfig
-from hstap.train.run import WarmupCosine, load_metrics, run_train
+from hstap.train.run import load_metrics, run_train
 
 COMMON = dict(max_steps=4, batch_tokens=256, draft_vocab=2048, ttt_steps=2, heldout=0.1, seed=0, calib_prompts=0)
 

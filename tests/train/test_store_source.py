@@ -15,7 +15,7 @@ from hstap.errors import HstapError
 from hstap.store import open_store
 from hstap.store.reader import Store
 from hstap.train.data import HIDDEN_TEACHER_K, StoreSource, load_batch
-from hstap.train.run import teacher_head
+from hstap.train.build import teacher_head
 from hstap.train.ttt import TTTBatch
 
 CPU = torch.device("cpu")

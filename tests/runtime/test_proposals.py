@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
-from hstap.runtime.draft import Block, Drafts, _step, draft_chain, draft_ngram, draft_tree, extend
-from hstap.runtime.drafter import LeanDrafter
+from hstap.runtime.proposals import Block, Drafts, _step, draft_chain, draft_ngram, draft_tree, extend
+from hstap.runtime.lean_drafter import LeanDrafter
 from hstap.train.ttt import TTTAttention
 from tests.runtime.conftest import fake_slot
 

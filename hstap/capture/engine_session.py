@@ -31,14 +31,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from hstap.capture.arch import Layout
+from hstap.capture.config import ENGINE_FLUSH_S, ENGINE_SHARD_MB
 from hstap.capture.tap import Batch, Tap
 from hstap.config import StoreDtype, TeacherSpec, torch_dtype
 from hstap.store import StoreMeta, StoreWriter
+from hstap.store.config import HIDDEN_DTYPE
+from hstap.store.names import hidden_name
 
 REQUESTS_NAME = "requests.jsonl"
 REPORT_NAME = "engine-report.json"
@@ -55,12 +59,12 @@ class EngineCaptureConfig(BaseModel):
     layers: list[int]
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
-    dtype: StoreDtype = "bf16"
+    dtype: StoreDtype = HIDDEN_DTYPE
     model_id: str = "unknown"
     fingerprint: str = "unknown"
     engine: str = "unknown"
-    shard_mb: float = Field(default=64, gt=0)
-    flush_s: float = Field(default=1.0, gt=0)
+    shard_mb: float = Field(default=ENGINE_SHARD_MB, gt=0)
+    flush_s: float = Field(default=ENGINE_FLUSH_S, gt=0)
     # the served architecture's module names and layer-output contract in this engine (hstap.capture.arch)
     layout: Layout = Layout()
     # the engine release the layout was resolved for (SGLang's layer contracts changed in 0.5.21-0.5.22); None: the
@@ -68,12 +72,12 @@ class EngineCaptureConfig(BaseModel):
     engine_version: str | None = None
 
     @classmethod
-    def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, dtype: str = "bf16",
-                       shard_mb: float = 64, flush_s: float = 1.0,
-                       engine_version: str | None = None) -> "EngineCaptureConfig":
+    def for_checkpoint(cls, model: str, layers: str, out: Path, engine: str, engine_version: str | None = None,
+                       **store: Any) -> "EngineCaptureConfig":
         """The config for a served checkpoint (`model`: 'smollm2' or a directory, which may hold config.json
         alone): layer ids validated against its config.json (nested `text_config` of wrapped models included),
-        the engine's module layout for its `architectures`, the files fingerprinted like a store's."""
+        the engine's module layout for its `architectures`, the files fingerprinted like a store's. `store`: the
+        store settings given (dtype, shard_mb, flush_s); the others keep this config's defaults."""
         from hstap.capture.arch import resolve_layout
         from hstap.capture.layers import parse_layers
         from hstap.errors import HstapError
@@ -90,9 +94,8 @@ class EngineCaptureConfig(BaseModel):
         except KeyError as e:
             raise HstapError(f"{path / 'config.json'} has no {e.args[0]}: not a decoder-only LM config") from None
         return cls(out=Path(out).resolve(), layers=parse_layers(layers, num_layers), num_layers=num_layers,
-                   hidden_size=hidden, dtype=dtype, model_id=model_id, fingerprint=fingerprint_dir(path),
-                   engine=engine, shard_mb=shard_mb, flush_s=flush_s,
-                   layout=resolve_layout(top, engine, engine_version), engine_version=engine_version)
+                   hidden_size=hidden, model_id=model_id, fingerprint=fingerprint_dir(path), engine=engine,
+                   layout=resolve_layout(top, engine, engine_version), engine_version=engine_version, **store)
 
 
 @dataclass
@@ -280,7 +283,7 @@ class EngineSession:
     def __init__(self, cfg: EngineCaptureConfig, out: Path | None = None, extra: frozenset[str] = frozenset()) -> None:
         self.cfg = cfg
         self.out = Path(out or cfg.out)
-        self.layer_names = {f"hidden.{k}" for k in cfg.layers}
+        self.layer_names = {hidden_name(k) for k in cfg.layers}
         storage = torch_dtype(cfg.dtype)
         meta = StoreMeta(model_id=cfg.model_id, model_fingerprint=cfg.fingerprint, layer_ids=list(cfg.layers),
                          hidden_size=cfg.hidden_size, hidden_dtype=cfg.dtype,

@@ -11,10 +11,11 @@ position t (hidden h_t, token t+1) lives in the same column as t's keys in the t
 
 Inside a body a CUDA graph captures (`hstap.runtime.graphs.graph_body`), the forward runs through torch.compile
 (`fused=True`, the default on CUDA): a graph replays whatever kernels its body launched, so fusing the step's
-norms, rotary, residuals and gate cuts the launches a replay pays for (a chain:3 cycle's drafting was 0.46 ms for
-three ~25-kernel forwards on an H200, 2026-12-02). Shapes are fixed inside graphs, so it compiles once per block
-shape, during the capture's warm-up; a compile that fails turns it off for the drafter, with one line on stderr,
-and the eager forward runs. Outside graph bodies (prefill, sampled cycles, a CPU) the forward is always eager.
+norms, rotary, residuals and gate cuts the launches a replay pays for (a chain:3 cycle drafts with three forwards
+of ~25 kernels each, every one too small to hide its launch). Shapes are fixed inside graphs, so it compiles once
+per block shape, during the capture's warm-up; a compile that fails turns it off for the drafter, with one line on
+stderr, and the eager forward runs. Outside graph bodies (prefill, sampled cycles, a CPU) the forward is always
+eager.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from hstap.runtime.linear import Projection, choose_products
 class LeanDrafter:
     """The drafter's step from fused weights; `target_ids` maps draft ids to target ids. Eager on a CPU in fp32,
     the head keeps oneDNN's copy of its weight (`hstap.runtime.linear`, used where measured faster): a tree
-    drafts several rows a step through it (tree:8,8,60's drafting 31.1 → 20.7 ms on a 2-core CPU,
-    `bench/forward_cost.py --reorder on off`, 2026-12-05). The layer's weights stay as they are: read again at
-    every step, they stay in the CPU's cache, where MKL multiplies as fast (a chain's drafting was 0.5 ms slower
-    with them reordered too)."""
+    drafts several rows a step through it, where the reordered weight streams faster (`bench/forward_cost.py
+    --reorder on off` measures it). The layer's weights stay as they are: read again at every step, they stay in
+    the CPU's cache, where MKL multiplies as fast (reordering them too made a chain's drafting slower)."""
 
     @torch.no_grad()
     def __init__(self, drafter: Eagle3Drafter, fused: bool | None = None):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hstap.capture.engine import HEAD, MAX_PARTIALS, Expected, Matcher, Span, split_by_positions
+from hstap.capture.engine_session import HEAD, MAX_PARTIALS, Expected, Matcher, Span, split_by_positions
 
 # ---- split_by_positions ----------------------------------------------------------------------------------------
 

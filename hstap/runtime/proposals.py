@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstap.runtime.drafter import LeanDrafter
+from hstap.runtime.lean_drafter import LeanDrafter
 from hstap.runtime.kv import KVCache, block_columns, block_mask
 from hstap.topk import block_topk
 
@@ -125,7 +125,7 @@ def draft_tree(lean: LeanDrafter, drafts: Drafts, slot, block: Block, depth: int
     rounds = (depth - 1) * topk  # step entries of the round
     logp = torch.log_softmax(drafts.logits.float() / (1 if scale is None else scale), -1)  # (B, Vd)
     # (B, k), in any order (the tree ranks candidates by score itself; unsorted skips top-k's closing sort): a
-    # full-row topk cost 81 µs a call on an H200
+    # full-row topk is a multi-pass radix select over the whole draft vocabulary (hstap.topk)
     top_values, top_ids = block_topk(logp, topk, sorted=False)
     ids, scores = [top_ids], [top_values]
     parents = [torch.full((b, topk), -1, dtype=torch.long, device=device)]

@@ -1,9 +1,10 @@
 """Evaluation's decoding methods on the runtime: vanilla, and speculative with n-gram, chain or tree drafts.
 
 Every method runs on one `hstap.runtime.target.Runtime` (static cache, CUDA graphs on a GPU), batch by batch,
-so the speedup is measured against vanilla decoding on the same backend. A `Generation` is one prompt's answer
-with the counts τ is made of. The runtime prefills through its lean forward (the default): nothing here hooks the
-model, and the prefill is part of every measured batch.
+so the speedup is measured against vanilla decoding on the same backend. A `MeasuredGeneration` is one prompt's
+answer with the counts τ is made of and the time it took (the runtime's own `hstap.runtime.decode.Generation` is the
+bare answer). The runtime prefills through its lean forward (the default): nothing here hooks the model, and the
+prefill is part of every measured batch.
 
     methods = Methods(model, drafter, batch_size=8, max_len=1024)
     gens = methods.run(DraftShape.parse("tree:8,8,60"), prompts, 256, stop_ids={2})
@@ -34,7 +35,7 @@ from hstap.runtime.target import LEN_BUCKET, PREFILL_BUCKET, Runtime
 
 
 @dataclass
-class Generation:
+class MeasuredGeneration:
     """One answer and how it was produced. Per verification forward: draft tokens accepted (before any cut at
     a stop or max_new_tokens), tokens kept (accepted + bonus, after the cut) and draft tokens proposed."""
 
@@ -84,7 +85,7 @@ class Methods:
         return self.decoders[shape.spec]
 
     def run(self, shape: DraftShape | None, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-            temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Generation]:
+            temperature: float = 0.0, generator: torch.Generator | None = None) -> list[MeasuredGeneration]:
         """One batch (at most batch_size prompts) with one method (None = vanilla)."""
         device = self.runtime.device
         stage_clock = StageClock(device)
@@ -97,8 +98,8 @@ class Methods:
             dec = self.decoder(shape)
             dec.clock = stage_clock
             rows = dec.generate(prompts, max_new_tokens, stop_ids, self.pad_id, temperature, generator=generator)
-            gens = [Generation(tokens=r.tokens, seconds=0.0, verify_forwards=len(r.accepted), accepted=r.accepted,
-                               emitted=r.emitted, drafted=r.drafted) for r in rows]
+            gens = [MeasuredGeneration(tokens=r.tokens, seconds=0.0, verify_forwards=len(r.accepted),
+                                       accepted=r.accepted, emitted=r.emitted, drafted=r.drafted) for r in rows]
         sync()
         share = (self.clock() - start) / len(prompts)
         stages = stage_clock.totals()
@@ -113,7 +114,7 @@ class Methods:
         return gens
 
     def _vanilla(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], temperature: float,
-                 generator: torch.Generator | None) -> list[Generation]:
+                 generator: torch.Generator | None) -> list[MeasuredGeneration]:
         device = self.runtime.device
         requests = [Request(p, max_new_tokens, temperature=temperature) for p in prompts]
         with torch.inference_mode():
@@ -123,13 +124,13 @@ class Methods:
         for g in out:
             tokens = g.tokens + ([g.stop_token] if g.stop_token is not None else [])
             steps = len(tokens) - 1  # the first token came from prefill
-            gens.append(Generation(tokens=tokens, seconds=0.0, verify_forwards=steps, accepted=[0] * steps,
-                                   emitted=[1] * steps, drafted=[0] * steps))
+            gens.append(MeasuredGeneration(tokens=tokens, seconds=0.0, verify_forwards=steps, accepted=[0] * steps,
+                                           emitted=[1] * steps, drafted=[0] * steps))
         return gens
 
 
 def vanilla_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                     temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+                     temperature: float = 0.0, generator: torch.Generator | None = None) -> MeasuredGeneration:
     """Plain decoding of one prompt on a fresh runtime (convenient for scripts; `Methods` reuses one)."""
     methods = Methods(model, None, 1, len(prompt_ids) + max_new_tokens)
     return methods.run(None, [prompt_ids], max_new_tokens, stop_ids, temperature, generator)[0]
@@ -137,7 +138,7 @@ def vanilla_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
 
 def speculative_generate(model: torch.nn.Module, drafter: Eagle3Drafter | None, prompt_ids: list[int],
                          shape: DraftShape, max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> Generation:
+                         generator: torch.Generator | None = None) -> MeasuredGeneration:
     """Speculative decoding of one prompt on a fresh runtime; greedy output equals `vanilla_generate`'s."""
     methods = Methods(model, drafter, 1, len(prompt_ids) + max_new_tokens, [shape])
     return methods.run(shape, [prompt_ids], max_new_tokens, stop_ids, temperature, generator)[0]
