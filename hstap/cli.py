@@ -7,7 +7,8 @@
 
 COMMANDS below is the one registry: name → (module, one-line help). A command's module has
 `add_arguments(parser)`, which declares its flags from the command's pydantic config (hstap/config.py), and
-`run(cfg) -> int`. `--plan` prints the resolved config (a module's `plan(cfg)` where it has more to show) and
+`run(cfg) -> int` (and `config_from_args(args)` where it reads more than its own section of `--config`: the
+recipe). `--plan` prints the resolved config (a module's `plan(cfg)` where it has more to show) and
 exits. Errors the user can fix print as one line (exit 2); `--debug` shows the traceback. Only the module of the
 command that runs is imported — `hstap --help` imports none — so start-up costs no torch and no schema building.
 """
@@ -38,7 +39,9 @@ COMMANDS = {
     "eval": ("hstap.evaluate.cli", "speculative decoding with the embedded target: τ, acceptance, speedup"),
     "export": ("hstap.export.cli", "write a trained drafter as an SGLang or vLLM EAGLE-3 draft checkpoint"),
     "serve": ("hstap.serve.cli", "start an engine (with capture taps), wait until ready, watch for hangs"),
-    "demo": ("hstap.demo", "the main job on the embedded default: synth → capture → train → eval → export"),
+    "recipe": ("hstap.recipe.cli", "the whole job for any target from one YAML file: prompts → synth → train → eval "
+                                   "→ export, every stage resumable"),
+    "demo": ("hstap.demo", "the recipe on the embedded default: prompts → synth → capture → train → eval → export"),
 }
 
 
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.cmd].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         module = importlib.import_module(args.module)
-        cfg = config_from_args(args, sections=list(COMMANDS))
+        build = getattr(module, "config_from_args", None)  # a command reading several sections of its file (recipe)
+        cfg = build(args) if build else config_from_args(args, sections=list(COMMANDS))
         if args.plan:
             print((module.plan(cfg) if hasattr(module, "plan") else plan_text(cfg, args.config_section)).rstrip("\n"))
             return 0

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 # waiting on its lock.
 SLOWEST_FIRST = ["live/test_vllm_eagle.py", "live/test_vllm.py", "live/test_sglang.py",
                  "train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py", "runtime/test_spec.py",
-                 "serve/test_supervisor.py", "train/test_replay.py", "test_demo.py", "capture/test_run.py",
+                 "serve/test_supervisor.py", "train/test_replay.py", "test_recipe.py", "capture/test_run.py",
                  "train/test_ddp.py", "runtime/test_stream.py", "runtime/test_engine.py", "evaluate/test_run.py",
                  "train/test_online.py", "synth/test_run.py", "runtime/test_fused_drafter.py",
                  "train/test_learning.py", "train/test_store_source.py", "train/test_merge_kernel.py",

@@ -14,8 +14,11 @@ from hstap.config import Device, option
 from hstap.data.filters import FilterSettings
 
 SOURCE_NAMES = ("sharegpt", "magpie", "code")
-IDENTITY_FIELDS = ("seed", "sharegpt_continuations", "model", "temperature", "top_p", "max_new_tokens", "near_dup",
-                   "filters", "code_tasks_per_unit", "code_packages", "code_min_lines", "code_max_lines")
+# Defaults `hstap prompts` shares with the library functions it calls (one home each)
+NEAR_DUP = 0.7  # estimated word-pair Jaccard at which a prompt is a near duplicate: hstap.data.dedupe.Deduper
+CODE_MIN_LINES, CODE_MAX_LINES = 5, 60  # lines of code a unit may have: hstap.data.code.stdlib_units
+IDENTITY_FIELDS = ("seed", "sharegpt_continuations", "sharegpt_max_chars", "model", "temperature", "top_p",
+                   "max_new_tokens", "near_dup", "filters", "code_tasks_per_unit", "code_packages", "code_min_lines", "code_max_lines")
 
 
 class PromptsConfig(BaseModel):
@@ -34,6 +37,8 @@ class PromptsConfig(BaseModel):
     total: int = option(help="prompts in the finished file, split over the sources by weight", ge=1)
     seed: int = option(0, "seed of every choice: ShareGPT order, code tasks, Magpie sampling")
     sharegpt_continuations: bool = option(True, "sharegpt: recover the chunks that start with an answer")
+    sharegpt_max_chars: int | None = option(None, "sharegpt: pass over conversations whose first user turn is "
+                                                  "longer (counted); default: no cap", ge=1)
     model: str = option("smollm2", "magpie: the target that writes the prompts ('smollm2' or a checkpoint dir)")
     device: Device = option("cpu", "magpie: cpu | cuda | cuda:N")
     batch_size: int = option(16, "magpie: prompts sampled per decode batch (sampling is reproducible for the "
@@ -44,16 +49,17 @@ class PromptsConfig(BaseModel):
     max_new_tokens: int = option(256, "magpie: longest prompt in tokens (longer ones are dropped as unfinished)",
                                  ge=1)
     max_attempts: float = option(8.0, "magpie: stop after this many samples per requested prompt", gt=0.0)
-    near_dup: float = option(0.7, "sharegpt, magpie: estimated word-pair Jaccard at which a prompt is a near "
-                                  "duplicate of one already kept", gt=0.0, le=1.0)
+    near_dup: float = option(NEAR_DUP, "sharegpt, magpie: estimated word-pair Jaccard at which a prompt is a near "
+                                       "duplicate of one already kept", gt=0.0, le=1.0)
     filters: FilterSettings = option(default_factory=FilterSettings, cli=False,
                                      help="magpie: prompt rules (hstap/data/filters.py); set with --config or "
                                           "--set 'prompts.filters={min_chars: 20}'")
     code_tasks_per_unit: int = option(6, "code: distinct tasks per function or class (at most 6)", ge=1, le=6)
     code_packages: list[str] = option(default_factory=list, flag="--code-package", metavar="NAME",
                                       help="code: only this stdlib package or module (repeatable; all by default)")
-    code_min_lines: int = option(5, "code: fewest lines of code in a unit (its docstring not counted)", ge=1)
-    code_max_lines: int = option(60, "code: most lines of code in a unit", ge=1)
+    code_min_lines: int = option(CODE_MIN_LINES, "code: fewest lines of code in a unit (its docstring not counted)",
+                                 ge=1)
+    code_max_lines: int = option(CODE_MAX_LINES, "code: most lines of code in a unit", ge=1)
 
     @field_validator("sources")
     @classmethod

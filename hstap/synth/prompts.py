@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -165,7 +165,7 @@ def build_prompts(cfg: PromptsConfig, target=None, progress: bool = True) -> Pro
 
 
 def _fill(run: _Run, source: str, tally: Tally, quota: int, candidates: Iterable[Conversation],
-          dedupe: Deduper | None) -> None:
+          dedupe: Deduper | None, reject: Callable[[Conversation], str | None] | None = None) -> None:
     """Replay a fixed-order source from its start: keep what the file has, write new candidates until the quota,
     count every candidate passed over."""
     tally.examined, tally.kept, tally.dropped = 0, 0, {}
@@ -173,6 +173,9 @@ def _fill(run: _Run, source: str, tally: Tally, quota: int, candidates: Iterable
         if tally.kept >= quota:
             break
         tally.examined += 1
+        if reject is not None and (reason := reject(conv)) is not None:
+            tally.drop(reason)
+            continue
         if conv.id not in run.out.ids:
             reason = dedupe.admit(user_text(conv.messages)) if dedupe is not None else None
             if reason is not None:
@@ -190,7 +193,20 @@ def _sharegpt(run: _Run, tally: Tally, quota: int, target, progress: bool) -> No
     prompts = (Conversation(id=f"sharegpt-{c.id}", messages=c.messages, source="sharegpt",
                             meta={"category": "continuation" if c.meta.get("continuation") else "conversation"})
                for c in convs)
-    _fill(run, "sharegpt", tally, quota, prompts, run.state.dedupe)
+    _fill(run, "sharegpt", tally, quota, prompts, run.state.dedupe, _first_turn_cap(run.cfg.sharegpt_max_chars))
+
+
+def _first_turn_cap(max_chars: int | None) -> Callable[[Conversation], str | None] | None:
+    """The reason a conversation is passed over when its first user turn is longer than `max_chars`: a long
+    prompt costs prefill and capture positions, not answers, which is all a small run has time for."""
+    if max_chars is None:
+        return None
+
+    def reject(conv: Conversation) -> str | None:
+        first = next((m["content"] for m in conv.messages if m["role"] == "user"), "")
+        return f"first_turn_over_{max_chars}_chars" if len(first) > max_chars else None
+
+    return reject
 
 
 def _code(run: _Run, tally: Tally, quota: int, target, progress: bool) -> None:

@@ -184,3 +184,17 @@ def test_magpie_killed_inside_a_round_resumes_to_the_same_file_and_counts(tmp_pa
     a, b = straight.tallies["magpie"], resumed.tallies["magpie"]
     assert (b.examined, b.kept, b.dropped) == (a.examined, a.kept, a.dropped)
     assert a.adds_up() and a.kept == 7 and {"unfinished", "exact_duplicate", "surplus"} <= set(a.dropped)
+
+
+def test_sharegpt_max_chars_passes_over_long_first_turns_and_counts_them(tmp_path):
+    """The demo's small runs keep short ShareGPT prompts (a long one costs prefill, not answers): a conversation
+    whose first user turn is over the cap is never written, and each one passed over is counted by its reason."""
+    out = tmp_path / "short.jsonl"
+    cfg = PromptsConfig(out=out, total=6, sources=["sharegpt:1"], sharegpt_max_chars=120)
+    result = build_prompts(cfg, target=None, progress=False)
+    records = _records(out)
+    assert len(records) == 6
+    assert all(len(next(m["content"] for m in r["messages"] if m["role"] == "user")) <= 120 for r in records)
+    tally = result.tallies["sharegpt"]
+    assert tally.dropped.get("first_turn_over_120_chars", 0) > 0
+    assert tally.examined == 6 + sum(tally.dropped.values())
