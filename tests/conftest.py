@@ -21,22 +21,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-# The files that take longest (seconds of one core, `pytest -n 2 --dist loadfile`, 2026-12-05, --junitxml, summed per
+# The files that take longest (seconds of one core, `pytest -n 2 --dist loadfile`, 2026-12-06, --junitxml, summed per
 # file) run first. xdist hands whole files to its two workers in collection order when `make test` passes
 # --no-loadscope-reorder; by default it sorts them by their number of tests, which sent the slow few-test files
 # last and left one worker running alone for the last minute. Any file missing here keeps its place after them.
-# Second comes a file that does not need the shared small store the first one builds, so no worker starts by
-# waiting on its lock.
+# After the live engines' files, the next two do not both need the shared small store the first one builds, so
+# no worker waits on its lock.
 SLOWEST_FIRST = ["live/test_vllm_eagle.py", "live/test_vllm.py", "live/test_sglang.py",
-                 "train/test_run.py", "synth/test_server.py", "capture/test_tensor_parallel.py", "runtime/test_spec.py",
-                 "serve/test_supervisor.py", "train/test_replay.py", "test_recipe.py", "capture/test_run.py",
-                 "train/test_ddp.py", "runtime/test_stream.py", "runtime/test_engine.py", "evaluate/test_run.py",
-                 "train/test_online.py", "synth/test_run.py", "runtime/test_fused_drafter.py",
-                 "train/test_learning.py", "train/test_store_source.py", "train/test_merge_kernel.py",
-                 "capture/test_run_faults.py", "train/test_simulated_tau.py", "capture/test_sglang.py",
-                 "train/test_init_grow.py", "serve/test_supervisor_faults.py", "data/test_loops.py",
-                 "drafter/test_shipped.py", "synth/test_magpie.py", "store/test_merge.py", "synth/test_prompts.py",
-                 "capture/test_sglang_fusion.py", "capture/test_sglang_versions.py", "capture/test_vllm_extract.py"]
+                 "train/test_run.py", "capture/test_tensor_parallel.py", "synth/test_server.py", "train/test_ddp.py",
+                 "test_recipe.py", "serve/test_supervisor.py", "runtime/test_spec.py", "capture/test_run.py",
+                 "serve/test_openai_client.py", "runtime/test_stream.py", "capture/test_sglang_versions.py",
+                 "train/test_online.py", "runtime/test_engine.py", "train/test_replay.py", "train/test_learning.py",
+                 "train/test_store_source.py", "capture/test_run_faults.py", "evaluate/test_run.py",
+                 "runtime/test_fused_drafter.py", "synth/test_run.py", "train/test_merge_kernel.py",
+                 "capture/test_sglang.py", "train/test_simulated_tau.py", "train/test_init_grow.py",
+                 "serve/test_supervisor_faults.py", "train/test_stop_resume.py", "capture/test_sglang_fusion.py",
+                 "capture/test_vllm_extract.py"]
 
 
 def _schedule_rank(item) -> int:

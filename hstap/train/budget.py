@@ -8,6 +8,11 @@ budget (`fit_to_budget`), so the run warms up and decays fully instead of being 
 steps are not the run's (a new sequence length recompiles a kernel or captures a graph in the probe; later steps
 reuse it), so every REFIT_EVERY steps and at each epoch end the count is fitted again to the steps timed so far,
 the held-out evaluations still to come taken out of the budget (`Budget.refit`).
+
+A resumed budgeted run keeps refitting: its checkpoint records the budget seconds its steps had taken
+(`WarmupCosine.spent`), and the rest of the run is fitted to what is left. A run killed 250 steps into a 7-minute
+budget had been fitted to its first, compiling steps (0.25 s each, later 0.12); had the resume kept that count
+frozen it would have stopped a third of the way into the budget.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class WarmupCosine:
         self.total = total
         self.warmup_ratio = warmup_ratio
         self.fitted = False  # the time budget has been applied
+        self.spent = 0.0  # budget seconds the checkpointed steps took: a resumed run fits the rest into what is left
+        self.per_step = 0.0  # the last fit's seconds per step: a resumed run's first fit, before it times its own
 
     def __call__(self, step: int) -> float:
         warmup = max(1, int(self.total * self.warmup_ratio))
@@ -112,12 +119,15 @@ class Budget:
     step count and stop after the same step."""
 
     def __init__(self, seconds: float | None, schedule: WarmupCosine, dist: distributed.Dist, start: float,
-                 first_step: int, steps_per_epoch: int, eval_seconds: float):
+                 first_step: int, steps_per_epoch: int, eval_seconds: float, cap: int):
         self.seconds = seconds
-        self.active = bool(seconds and not schedule.fitted)  # fitted here (a resumed run keeps its fit)
+        self.active = bool(seconds)
+        self.needs_first_fit = self.active and not schedule.fitted  # a resumed run refits from its own steps
         self.dist = dist
-        self.cap = schedule.total  # the run's own end: no fit goes past it
-        self.start = self.steps_from = start
+        self.cap = cap  # the run's own end (--epochs, --max-steps): no fit goes past it
+        # a resumed run's budget clock goes on from the seconds its checkpointed steps took
+        self.start = start - (getattr(schedule, "spent", 0.0) if schedule.fitted else 0.0)
+        self.steps_from = start
         self.first_step = first_step
         self.steps_per_epoch = steps_per_epoch
         self.eval_seconds = eval_seconds  # the last held-out evaluation's wall time
@@ -128,6 +138,10 @@ class Budget:
         is left of the budget."""
         return fit_to_budget(total, step, seconds_per_step,
                              self.seconds - self.dist.agree_max(time.perf_counter() - self.start))
+
+    def elapsed(self) -> float:
+        """Budget seconds spent so far, the checkpointed steps of earlier runs of this one included."""
+        return time.perf_counter() - self.start
 
     def steps_start(self) -> None:
         """Training steps start now: a refit times steps from here, not the probe before them."""

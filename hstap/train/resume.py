@@ -16,8 +16,9 @@ with):
   `--grad-accum` through the global batch (ranks × it must stay the same).
 - **applied and recorded** (`LENGTH`): `--epochs` and `--max-steps`. The schedule's length is recomputed from them:
   from the resumed step on, the learning rate is the one a run planned with the new length has at that step (a
-  longer run decays more slowly; a finished run extended restarts at that point of the new cosine). A run fitted
-  to a `--time-budget` keeps its fitted length, so there they are refused.
+  longer run decays more slowly; a finished run extended restarts at that point of the new cosine). A run under a
+  `--time-budget` takes its length from the budget (a resume fits the rest into the time left), so there they are
+  refused.
 - **applied and recorded**: everything else, which changes how the run executes, not what it computes (device,
   kernels, compile, prefetch, checkpoint interval, calibration prompts, `--skip-bad-shards`).
 
@@ -85,7 +86,7 @@ def changed_flags(out: Path, cfg: TrainConfig) -> dict[str, tuple]:
     if refused:
         was = ", ".join(_shown(name, differ[name][0]) for name in refused)
         now_ = ", ".join(_shown(name, differ[name][1]) for name in refused)
-        why = ("a run fitted to --time-budget keeps its fitted length; " if recorded.get("time_budget_s") is not None
+        why = ("a run under --time-budget takes its length from the budget; " if recorded.get("time_budget_s") is not None
                and any(name in LENGTH for name in refused) else "")
         raise HstapError(f"--resume: the run in {out} was started with {was}; this command gives {now_}: {why}a "
                          "resumed run continues that run, so pass its values (or start a new run: --init-from a "

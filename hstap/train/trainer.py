@@ -193,9 +193,13 @@ class Trainer:
         self.read_ahead = self.cfg.prefetch or (isinstance(self.source, StoreSource) and self.device.type == "cuda")
         self.started, self.tokens_this_run, self.first_step = time.perf_counter(), 0, state.step
         self.time_budget = budget.Budget(self.cfg.time_budget_s, self.schedule, self.dist, self.started, state.step,
-                                         self.steps_per_epoch, eval_seconds)
-        if self.time_budget.active:
+                                         self.steps_per_epoch, eval_seconds, cap=self.planned_steps)
+        if self.time_budget.needs_first_fit:
             self._fit_budget()
+        elif self.time_budget.active and getattr(self.schedule, "per_step", 0.0):  # resumed: the rest into what is left
+            self._set_total(self.time_budget.first_fit(self.planned_steps, state.step, self.schedule.per_step))
+            self.log.write({"kind": "budget_resumed", "step": state.step, "spent_s": round(self.schedule.spent, 3),
+                            "total_steps": self.schedule.total})
         self.due = rundir.CheckpointClock(self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s)
         self.time_vote = distributed.LateVote(self.dist)  # no per-step wait on the device for it
         self.time_budget.steps_start()  # the early estimate times training steps only (not the budget probe)
@@ -207,9 +211,15 @@ class Trainer:
         seconds = self.cfg.grad_accum * dist.agree_max(budget.seconds_per_step(
             self.model, self.source, mine, self.layer_ids, self.device, self.autocast, self.graphed))
         self._set_total(self.time_budget.first_fit(self.schedule.total, state.step, seconds))
+        self.schedule.per_step = seconds
         self.schedule.fitted = True  # every rank agreed on the per-step and elapsed times: they stop at the same step
         self.log.write({"kind": "budget", "step": state.step, "seconds_per_step": seconds,
                         "total_steps": self.schedule.total, "probe_steps": sum(budget.probe_sizes(len(mine)))})
+
+    def _note_budget_spent(self) -> None:
+        """The budget seconds spent so far go into the checkpoint with the schedule (a resume fits what is left)."""
+        if self.time_budget.active:
+            self.schedule.spent = self.dist.agree_max(self.time_budget.elapsed())
 
     def _set_total(self, total: int) -> None:
         self.schedule.total = total
@@ -266,6 +276,7 @@ class Trainer:
         stop.agreed(vote)
         if self.due.by_steps(state.step) or vote:
             self.steplog.flush()  # the metrics hold every step the checkpoint does; a NaN step stops the run here
+            self._note_budget_spent()
             checkpoint.save(self.out, self.drafter, self.optimizer, self.scheduler, state, self.dist)
             self.due.saved()
             self.time_vote.clear()
@@ -293,6 +304,7 @@ class Trainer:
 
     def _refit(self) -> None:
         fitted, per_step = self.time_budget.refit(self.schedule.total, self.state.step, self.state.step_in_epoch)
+        self.schedule.per_step = per_step or self.schedule.per_step
         if fitted != self.schedule.total:
             self.log.write({"kind": "budget_refit", "step": self.state.step, "seconds_per_step": per_step,
                             "total_steps": fitted})
@@ -307,6 +319,7 @@ class Trainer:
         self.bar.close()
         # the last step's checkpoint before the final evaluation: a stop or a crash during it (or during the
         # drafter's write) loses no step; the resume evaluates and writes the drafter without training
+        self._note_budget_spent()
         checkpoint.save(out, self.drafter, self.optimizer, self.scheduler, state, dist)
         stop.agreed(STOP if dist.agree_max(float(stop.signum is not None)) else 0)
         if stop.signum is not None:  # it came after the last step's vote: the checkpoint just written holds that step

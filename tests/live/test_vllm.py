@@ -40,15 +40,18 @@ VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched
              "--max-num-seqs", "8"]
 # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache; unset, vLLM 0.32's CPU worker asks for --gpu-memory-utilization of the
 # machine's whole memory (v1/worker/cpu_worker.py), far too much on a 24 GB machine that other tests share.
-# VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM's CPU build reserves one more core for the scheduler whenever a KV connector is
-# configured (utils/ompmultiprocessing.py:52-54, meant for NIXL): the extract route's server would then run its
-# worker's OpenMP threads otherwise than the extension route's (1.8-2.4x slower on 2 cores). Both keep one core.
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# VLLM_CPU_OMP_THREADS_BIND=nobind: vLLM's CPU worker otherwise pins its OpenMP threads to the cores left after the
+# ones it reserves (utils/ompmultiprocessing.py): on 2 cores every server pins to core 0, so this module's server and
+# test_vllm_eagle.py's, which run side by side on the two xdist workers, shared one core while the other idled.
+# Unbound, each server's one thread (OMP_NUM_THREADS=1 under xdist) goes where the OS finds a free core; the
+# reserved-core rule (one more core whenever a KV connector is configured, which made the extract route's server
+# 1.8-2.4x slower than the extension route's) no longer applies, so both routes run alike.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # Longest silence vLLM's start-up may keep without being a hang: its EngineCore and worker processes are spawned and
 # import vLLM silently, on a loaded 2-core machine for more than 30 s each (60 here made a false HANG during loading),
 # and a busy silent group gets half of this.
 STALL = 120
-HEALTH = 20  # once ready: /health unanswered this long is a hang (a serving vLLM answers it within a second)
+HEALTH = 10  # once ready: /health unanswered this long is a hang (a serving vLLM answers it within a second)
 
 
 def report(served: Served) -> dict:

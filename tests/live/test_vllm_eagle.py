@@ -6,7 +6,8 @@ One server (`hstap serve --engine vllm`, 35-45 s to start on 2 loaded cores): th
 [2, 15, 27] = canonical [1, 14, 26]) answers the first turn of the first 16 MT-bench questions. The slip a
 hand-written or half-converted config makes, the canonical ids written where vLLM's k + 1 belong ([1, 14, 26]: vLLM
 then feeds layers [0, 13, 25]; the same happens when a config holds only SGLang's `eagle_config` key), was served
-live once (figures below); in the suite it is the replay with the drafter fed the layers one off, either way. Prompts are hstap's chat-template rendering, sent as token ids; temperature 0, max_tokens
+live once (figures below); in the suite it is the replay with the drafter fed the layers one below, as vLLM then
+feeds it. Prompts are hstap's chat-template rendering, sent as token ids; temperature 0, max_tokens
 128, one request at a time (batching changes bf16 sums); vLLM's Prometheus counters are read around every request.
 
 τ (DESIGN.md): tokens produced by target verification forwards / those forwards, the bonus token included, the
@@ -60,7 +61,8 @@ ONE_OFF = [k - 1 for k in CANONICAL]  # what vLLM feeds when handed the canonica
 FLIP_SD = 1.2  # cycles per 128-token answer: bf16 against fp32 on the same answer (module docstring, 1.)
 TEXT_SD = 7.5  # cycles per 128-token answer: two dtypes' own greedy answers to one prompt (module docstring, 2.)
 VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"]
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache (vLLM's CPU default asks for most of the machine)
+# GiB of KV cache (vLLM's CPU default asks for most of the machine); threads unbound (test_vllm.py says why)
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 COUNTERS = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total\{[^}]*\} (\S+)$",
                       re.MULTILINE)
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]+)\)")
@@ -240,14 +242,14 @@ def test_vllm_tau_is_hstap_evals(vllm_ok, tmp_path):
 
 @pytest.mark.live_engine
 def test_aux_layer_ids_one_off_fail_the_parity_check(exports, vllm_ok, prompts, replay):
-    """A layer one off either way is what the parity check exists to catch: hstap's drafter fed the layers below
-    or above the ones vLLM fed it accepts measurably differently on the same answers, outside the tolerance. (Served
-    live once, 2026-12-06: the one-off export — vLLM's key holding the canonical ids — served without a word at τ
+    """A layer one off is what the parity check exists to catch: hstap's drafter fed the layers below the ones vLLM
+    fed it (the slip a config holding the canonical ids where vLLM's k + 1 belong makes) accepts measurably
+    differently on the same answers, outside the tolerance. (The layers one above failed it too, replayed in the
+    suite until 2026-12-06 and then dropped for its 22 s. Served live once, 2026-12-06: the one-off export — vLLM's key holding the canonical ids — served without a word at τ
     1.818 on the first 8 prompts against the replay's 1.896: 2.3× the tolerance; module docstring.) `hstap export
     --check` names that export's slip before any server starts."""
     check = hstap("export", "--drafter", "reference", "--out", str(exports["one-off"]), "--check")
     assert check.returncode != 0 and f"vllm would feed the drafter target layers {ONE_OFF}" in check.stderr
-    for shifted in (ONE_OFF, [k + 1 for k in CANONICAL]):
-        tau_v, tau_h, tol = parity(vllm_ok, replay(prompts, vllm_ok.answers, shifted))
-        print(f"drafter fed {shifted}: hstap replay τ {tau_h:.3f} against vLLM's {tau_v:.3f}, tolerance {tol:.3f}")
-        assert abs(tau_v - tau_h) > tol, f"layers {shifted}: τ {tau_h:.3f} passes the parity check ({tau_v:.3f})"
+    tau_v, tau_h, tol = parity(vllm_ok, replay(prompts, vllm_ok.answers, ONE_OFF))
+    print(f"drafter fed {ONE_OFF}: hstap replay τ {tau_h:.3f} against vLLM's {tau_v:.3f}, tolerance {tol:.3f}")
+    assert abs(tau_v - tau_h) > tol, f"layers {ONE_OFF}: τ {tau_h:.3f} passes the parity check ({tau_v:.3f})"

@@ -248,6 +248,48 @@ def test_a_budgeted_run_refits_to_the_steps_it_times(small_store, tmp_path, monk
     assert lrs[-1] == 0.0 and max(lrs) == pytest.approx(cfg.lr)
 
 
+def test_a_budgeted_run_resumed_after_a_stop_fits_the_rest_into_what_is_left(small_store, tmp_path, monkeypatch):
+    """Steps of 2 s (a fake clock: each batch fetched ticks it) until a SIGTERM after step 3 checkpoints step 4
+    (8 s of a 24-s budget spent, fitted to 12 steps), then 1-s steps once resumed: the resumed run goes on
+    refitting to the steps it times and ends when the budget does (step 20), its schedule decayed to zero there.
+    Kept frozen at the fit the stop left (as before 2026-12-06, measured on an H100: 1,030 steps of a 7-minute
+    budget's ~3,700), it would end at step 12 with half the budget unspent."""
+    import hstap.faults as faults
+    import hstap.train.budget as budget_module
+    import hstap.train.trainer as trainer_module
+    from hstap.errors import Interrupted
+    from hstap.train import checkpoint
+
+    clock = {"t": 0.0, "tick": 2.0}
+    real_load = trainer_module.load_batch
+
+    def load_tick(*args, **kw):
+        clock["t"] += clock["tick"]
+        return real_load(*args, **kw)
+
+    monkeypatch.setattr(trainer_module, "load_batch", load_tick)
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(budget_module, "seconds_per_step", lambda *a, **kw: 2.0)
+    monkeypatch.setattr(budget_module, "REFIT_EVERY", 2)
+    cfg = TrainConfig(store=small_store, out=tmp_path / "run", epochs=50, batch_tokens=256, time_budget_s=24,
+                      checkpoint_every=1000, **ON_A_FAKE_CLOCK)
+    monkeypatch.setenv("HSTAP_FAULT", "step-done:3:TERM")  # step 4 in flight: its checkpoint is the stop's
+    faults.reset()
+    with pytest.raises(Interrupted):
+        run_train(cfg, progress=False)
+    monkeypatch.delenv("HSTAP_FAULT")
+    assert checkpoint.read_meta(tmp_path / "run")["step"] == 4 and clock["t"] == 8.0
+
+    clock["tick"] = 1.0
+    result = run_train(cfg.model_copy(update={"resume": True}), progress=False)
+    records = load_metrics(tmp_path / "run" / "metrics.jsonl")
+    resumed = [r for r in records if r["kind"] == "budget_resumed"]
+    assert resumed == [{"kind": "budget_resumed", "step": 4, "spent_s": 8.0, "total_steps": 12}]
+    assert result.steps == 20 and clock["t"] == 24.0  # the whole budget: 8 s before the stop, 16 one-second steps
+    lrs = [r["lr"] for r in records if r["kind"] == "train"]
+    assert lrs[-1] == 0.0
+
+
 def test_init_from_continues_an_earlier_drafter(small_store, tmp_path):
     """`--init-from` starts where an earlier run (another device session, a smaller set) ended: its weights and
     its draft vocabulary, loaded from the bf16 copy without the embedding that travels between machines. Batches of
