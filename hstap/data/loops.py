@@ -7,8 +7,8 @@ out of the loss; on MT-bench at 256 tokens, 20 of 80 answers, 14 %. A drafter tr
 learning to copy the last few dozen tokens, which prompt lookup (`hybrid:K`) does for free, and its held-out τ
 estimate is inflated by the same tokens. `--loops cut` keeps each loop's first period plus `keep_repeats` repeats
 (so the drafter still learns that a loop repeats), takes the rest out of the loss, and ends the sample there when
-no answer follows (its tokens would be context for nothing). Whether that raises MT-bench τ is for a GPU run to
-say (`AB_ARGS="--loops cut" bash lab/h200_recipe.sh start`); the default keeps every token, as before.
+no answer follows (its tokens would be context for nothing). Whether that raises τ on held-out prompts is not
+measured yet, so the default keeps every token.
 
     period, tail = periodic_tail(ids)                  # (0, 0) when the ids do not end in a loop
     ids, mask, cut = cut_loops(ids, mask, end_id=eos)  # per answer span of the loss mask

@@ -31,9 +31,9 @@ from hstap.errors import HstapError
 STAGES = ("prompts", "synth", "capture", "train", "eval", "export")
 SECTIONS = ("recipe", "prompts", "synth", "serve", "capture", "train", "eval", "export")
 SHIPPED = Path(__file__).resolve().parent / "recipes"
-# The measured choices (lab/h200_recipe.sh's header, docs/benchmarks.md): the prompt mix of the thirteenth run,
-# greedy answers capped at 256 tokens (as good a drafter as 384 at equal steps, 22 % more prompts a second), the
-# shapes MT-bench is read with.
+# The measured choices (docs/data.md, docs/benchmarks.md): Magpie weighted up, as the source that keeps giving new
+# prompts; greedy answers capped at 256 tokens (as good a drafter as 384 at equal steps, 22 % more prompts a
+# second); the shapes MT-bench is read with.
 DEFAULT_SOURCES = ("sharegpt:3", "magpie:12", "code:5")
 DEFAULT_PROMPTS = 12000
 ANSWER_CAP = 256
