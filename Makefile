@@ -16,10 +16,11 @@ ifneq ($(strip $(PIP_FIND_LINKS)),)
 export UV_FIND_LINKS ?= $(subst $(space),$(comma),$(strip $(PIP_FIND_LINKS)))
 endif
 UV_PIP := $(UV) pip install -q -p $(BIN)/python
-# uv, unlike pip, leaves modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set (these machines set it) every
-# process then compiles each module it imports from source, every time: `import torch, transformers` took 8.2 s
-# instead of 4.1, in each of the hundreds of processes `make test` starts (engines included). Compile once here.
-export UV_COMPILE_BYTECODE ?= 1
+# Where PYTHONDONTWRITEBYTECODE is set (these machines set it) and uv installs without compiling, every process
+# compiles each module it imports from source, every time: `import torch, transformers` took 8.2 s instead of 4.1,
+# in each of the hundreds of processes `make test` starts (engines included). Python's own lazy cache compiles only
+# what is imported, once; compiling whole environments at install (UV_COMPILE_BYTECODE) cost more than it saved.
+unexport PYTHONDONTWRITEBYTECODE
 
 # Each engine lives in a virtual environment of its own, the way a user runs it beside hstap (the engines pin their
 # own torch and transformers); the live-engine tests start them with `hstap serve --engine-python`.

@@ -12,7 +12,6 @@ set -euo pipefail
 VENV=${1:-.venv-sglang}
 PY=${PY:-python3}
 UV=${UV:-uv}
-export UV_COMPILE_BYTECODE=${UV_COMPILE_BYTECODE:-1}  # compiled once here, not in every process (Makefile says why)
 command -v "$UV" >/dev/null || { echo "engines/sglang.sh: needs uv (pip install uv, or run make engines)" >&2; exit 1; }
 HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$VENV"

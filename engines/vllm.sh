@@ -9,7 +9,6 @@ set -euo pipefail
 VENV=${1:-.venv-vllm}
 PY=${PY:-python3}
 UV=${UV:-uv}
-export UV_COMPILE_BYTECODE=${UV_COMPILE_BYTECODE:-1}  # compiled once here, not in every process (Makefile says why)
 command -v "$UV" >/dev/null || { echo "engines/vllm.sh: needs uv (pip install uv, or run make engines)" >&2; exit 1; }
 rm -rf "$VENV"
 $PY -m venv "$VENV"
