@@ -6,8 +6,8 @@
    reference drafter exported by `hstap export --format vllm`, served by vLLM (bf16, a chain of 3) on the first turns
    of 16 MT-bench questions, one request at a time, greedy, 128 tokens; vLLM's τ from its Prometheus counters
    against hstap's drafter replayed on vLLM's own answers (fp32 target on the CPU), with the tolerance and the
-   layer-one-off check of tests/live/test_vllm_eagle.py. Then the same prompts on a server without speculation:
-   the wall-clock ratio is vLLM's own speedup from hstap's drafter.
+   layer-one-off check of tests/live/test_vllm_eagle.py. Then bench/engine_speedup.py: vLLM's own speedup from
+   hstap's drafter on the 80 MT-bench questions.
 2. Capture through vLLM's extract_hidden_states route with CUDA graphs and torch.compile on, fp32, 128-token
    scheduler chunks: `hstap compare` against `hstap capture` (transformers, fp32, CPU) at bf16's own tolerance.
 3. The same conversations through hstap's worker extension (eager: its hooks need it), compared the same way and
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -29,8 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HSTAP_VLLM_PYTHON", sys.executable)  # the engine runs in this interpreter on the device
-
-import httpx  # noqa: E402
 
 import tests.live.test_vllm_eagle as eagle  # noqa: E402
 from tests.live.conftest import hstap, hstap_serve  # noqa: E402
@@ -44,23 +43,6 @@ CONVERSATIONS, MAX_TOKENS = 8, 512
 
 def say(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
-
-
-def timed_answers(url: str, prompts: list) -> tuple[list[list[int]], float]:
-    """Greedy answers one request at a time, and the seconds they took together (what the speedup divides)."""
-    answers = []
-    with httpx.Client(base_url=url, timeout=600) as client:
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        client.post("/v1/completions", json={"model": model, "prompt": prompts[0].ids, "max_tokens": 8,
-                                             "temperature": 0})  # warm-up, not timed
-        start = time.monotonic()
-        for p in prompts:
-            body = {"model": model, "prompt": p.ids, "max_tokens": eagle.MAX_TOKENS, "temperature": 0,
-                    "return_token_ids": True}
-            reply = client.post("/v1/completions", json=body)
-            reply.raise_for_status()
-            answers.append(reply.json()["choices"][0]["token_ids"])
-        return answers, time.monotonic() - start
 
 
 def replay_runs(prompts: list, answers: list[list[int]], layer_ids: list[int]) -> list[tuple[int, int]]:
@@ -97,22 +79,15 @@ def step_eagle(out: Path) -> dict:
     say(f"vLLM τ {tau_v:.3f} (mean acceptance length {run.mean_acceptance_length():.3f}); hstap replay {tau_h:.3f} "
         f"± {tol:.3f} -> {'PASS' if abs(tau_v - tau_h) <= tol else 'FAIL'}; fed {eagle.ONE_OFF}: {tau_off:.3f} "
         f"-> {'caught' if abs(tau_v - tau_off) > tol_off else 'NOT caught'}")
-    # the same prompts with and without speculation, each on its own warm server, one request at a time
-    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": eagle.CHAIN}
-    timings = {}
-    for name, extra in (("eagle3", ["--speculative-config", json.dumps(spec)]), ("vanilla", [])):
-        with hstap_serve("vllm", out / f"serve-{name}-timed", "--model", "smollm2", "--", *eagle.VLLM_ARGS,
-                         *extra, ready_timeout=900) as served:
-            answers, seconds = timed_answers(served.url, prompts)
-        tokens = sum(len(a) for a in answers)
-        timings[name] = {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
-        say(f"{name}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s)")
-    speedup = timings["eagle3"]["tokens_per_second"] / timings["vanilla"]["tokens_per_second"]
-    say(f"vLLM speedup from hstap's drafter (chain 3, batch 1): {speedup:.2f}x")
+    # vLLM's speedup from the drafter: bench/engine_speedup.py on the same machine (80 prompts, CUDA graphs on)
+    bench = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_speedup.py"), "--device", "cuda",
+                            "--engine-python", sys.executable, "--prompts", "80", "--work", str(out / "speedup"),
+                            "--out", str(out / "engine_speedup.json")], capture_output=True, text=True)
+    say(bench.stdout[-2000:] + bench.stderr[-3000:])
     return {"tau_vllm": tau_v, "mean_acceptance_length": run.mean_acceptance_length(), "tau_replay": tau_h,
             "tolerance": tol, "tau_replay_one_off": tau_off, "tolerance_one_off": tol_off,
-            "aux_layers": run.aux_layers, "forwards": sum(run.drafts), "seconds": run.seconds, "timed": timings,
-            "speedup": speedup, "wall": time.monotonic() - t0}
+            "aux_layers": run.aux_layers, "forwards": sum(run.drafts), "seconds": run.seconds,
+            "speedup_exit": bench.returncode, "wall": time.monotonic() - t0}
 
 
 def compare(a: Path, b: Path, *tol: str) -> dict:

