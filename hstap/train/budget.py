@@ -126,7 +126,7 @@ class Budget:
         self.dist = dist
         self.cap = cap  # the run's own end (--epochs, --max-steps): no fit goes past it
         # a resumed run's budget clock goes on from the seconds its checkpointed steps took
-        self.start = start - (getattr(schedule, "spent", 0.0) if schedule.fitted else 0.0)
+        self.start = start - (schedule.spent if schedule.fitted else 0.0)
         self.steps_from = start
         self.first_step = first_step
         self.steps_per_epoch = steps_per_epoch

@@ -196,7 +196,7 @@ class Trainer:
                                          self.steps_per_epoch, eval_seconds, cap=self.planned_steps)
         if self.time_budget.needs_first_fit:
             self._fit_budget()
-        elif self.time_budget.active and getattr(self.schedule, "per_step", 0.0):  # resumed: the rest into what is left
+        elif self.time_budget.active and self.schedule.per_step:  # resumed: the rest into what is left
             self._set_total(self.time_budget.first_fit(self.planned_steps, state.step, self.schedule.per_step))
             self.log.write({"kind": "budget_resumed", "step": state.step, "spent_s": round(self.schedule.spent, 3),
                             "total_steps": self.schedule.total})
