@@ -37,13 +37,8 @@ import harness  # noqa: E402
 from hstap.cli import main as hstap  # noqa: E402
 from hstap.serve import stacks  # noqa: E402
 from hstap.serve.config import ServeConfig  # noqa: E402
+from hstap.serve.ports import free_port  # noqa: E402
 from hstap.serve.supervisor import Supervisor  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pids) -> int:

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from hstap.errors import HstapError
 from hstap.recipe.config import SHIPPED, STAGES, load_recipe
 from hstap.recipe.memory import GIB, choose_training, dense_parameters, online_bytes, safetensors_parameters
 from hstap.recipe.state import Action, decide
+from hstap.serve.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = SHIPPED / "smollm2-smoke.yaml"
@@ -145,9 +145,7 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), 
 def test_synth_through_an_engine_the_recipe_starts_and_stops(tmp_path):
     """`serve:` starts the engine through hstap serve's supervisor (here a stand-in answering as vLLM does), synth
     answers through it, and the engine is stopped before the next stage."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (tmp_path / "fake.py").write_text(FAKE_ENGINE)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user",
                                                           "content": f"question {i}"}]}) + "\n" for i in range(3)))

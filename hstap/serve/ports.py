@@ -46,3 +46,11 @@ def check_port_free(host: str, port: int) -> None:
                 raise HstapError(f"--port {port}: {host}:{port} is already in use by {holder}; stop that server or "
                                  "choose another --port") from None
             raise HstapError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now, chosen by the OS (bind to port 0): for a server started next by a
+    test or a benchmark, never a fixed port that a second run on the same machine would find taken."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from hstap.serve.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = {"vllm": ROOT / ".venv-vllm", "sglang": ROOT / ".venv-sglang"}
@@ -44,12 +45,6 @@ def hstap(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -
     """An hstap command in a subprocess of hstap's own environment (output captured)."""
     return subprocess.run([sys.executable, "-m", "hstap.cli", *args], check=False, cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -6,7 +6,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import pytest
 import yaml
 
 from hstap.cli import main
+from hstap.serve.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_engine.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(tmp_path, mode: str, *extra: str) -> tuple[list[str], dict]:

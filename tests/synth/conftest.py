@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
+from hstap.serve.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -60,12 +61,6 @@ def short_prompts(tmp_path_factory) -> Path:
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
