@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,27 +35,12 @@ from pathlib import Path
 import harness
 import httpx
 
-COUNTERS = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total\{[^}]*\} (\S+)$",
-                      re.MULTILINE)
+from hstap.evaluate.engine_counters import moved_counters, spec_decode_counters
+from hstap.serve.ports import free_port
 
 
-def counters(client: httpx.Client) -> dict[str, float]:
-    """vLLM's speculative-decoding counters, summed over its label sets (absent on a plain server)."""
-    found: dict[str, float] = {}
-    for m in COUNTERS.finditer(client.get("/metrics").text):
-        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ask_all(url: str, prompts: list, max_tokens: int) -> dict:
-    """The timed requests: answers, seconds, and the counters they moved (re-read until they account for every
-    token: vLLM records a step's stats beside, not before, the response that step finished)."""
+def ask_all(url: str, prompts: list, max_tokens: int, speculates: bool) -> dict:
+    """The timed requests: answers, seconds, and (`speculates`) the counters they moved."""
     with httpx.Client(base_url=url, timeout=900) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
 
@@ -67,24 +50,21 @@ def ask_all(url: str, prompts: list, max_tokens: int) -> dict:
             reply.raise_for_status()
             return reply.json()["choices"][0]["token_ids"]
 
+        def counters() -> dict[str, float]:
+            return spec_decode_counters(client.get("/metrics").text)
+
         complete(prompts[0].ids, 8)  # warm-up, untimed
-        before = counters(client)
+        before = counters()
         start = time.perf_counter()
         answers = [complete(p.ids, max_tokens) for p in prompts]
         seconds = time.perf_counter() - start
-        produced_needed = sum(len(a) - 1 for a in answers)
-        deadline = time.monotonic() + 10
-        while True:
-            moved = {k: v - before.get(k, 0.0) for k, v in counters(client).items()}
-            if not moved or moved.get("accepted_tokens", 0) + moved.get("drafts", 0) >= produced_needed \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        after_first = sum(len(a) - 1 for a in answers)  # tokens after each answer's first: τ's numerator
+        moved = moved_counters(counters, before, after_first) if speculates else {}
     tokens = sum(len(a) for a in answers)
     row = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
-    if moved:
+    if speculates:
         row.update(forwards=int(moved["drafts"]), accepted=int(moved["accepted_tokens"]),
-                   tau=round(produced_needed / moved["drafts"], 4),
+                   tau=round(after_first / moved["drafts"], 4),
                    mean_acceptance_length=round(1 + moved["accepted_tokens"] / moved["drafts"], 4))
     return {"row": row, "answers": answers}
 
@@ -133,7 +113,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with served(cfg) as url:
             ready = time.perf_counter() - t0
-            result = ask_all(url, prompts, args.max_tokens)
+            result = ask_all(url, prompts, args.max_tokens, speculates=bool(extra))
         numbers[name] = {**result["row"], "start_seconds": round(ready, 1)}
         answers[name] = result["answers"]
         print(f"{name}: {json.dumps(numbers[name])}", flush=True)

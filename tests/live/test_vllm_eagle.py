@@ -53,6 +53,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hstap.evaluate.engine_counters import moved_counters, spec_decode_counters
 from tests.live.conftest import hstap, hstap_serve
 
 PROMPTS, EVAL_PROMPTS, MAX_TOKENS, CHAIN = 16, 8, 128, 3
@@ -63,8 +64,6 @@ TEXT_SD = 7.5  # cycles per 128-token answer: two dtypes' own greedy answers to 
 VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"]
 # GiB of KV cache (vLLM's CPU default asks for most of the machine); threads unbound (test_vllm.py says why)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-COUNTERS = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total\{[^}]*\} (\S+)$",
-                      re.MULTILINE)
 AUX_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]+)\)")
 
 
@@ -112,7 +111,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 
 
 def counters(client: httpx.Client) -> dict[str, float]:
-    return {m.group(1): float(m.group(2)) for m in COUNTERS.finditer(client.get("/metrics").text)}
+    return spec_decode_counters(client.get("/metrics").text)
 
 
 def ask(client: httpx.Client, model: str, ids: list[int]) -> tuple[list[int], dict[str, float]]:
@@ -123,13 +122,7 @@ def ask(client: httpx.Client, model: str, ids: list[int]) -> tuple[list[int], di
     reply = client.post("/v1/completions", json=body, timeout=600)
     reply.raise_for_status()
     answer = reply.json()["choices"][0]["token_ids"]
-    deadline = time.monotonic() + 10
-    while True:
-        moved = {k: v - before.get(k, 0.0) for k, v in counters(client).items()}
-        produced = moved.get("accepted_tokens", 0) + moved.get("drafts", 0)  # accepted + one bonus per forward
-        if produced >= len(answer) - 1 or time.monotonic() > deadline:
-            return answer, moved
-        time.sleep(0.1)
+    return answer, moved_counters(lambda: counters(client), before, len(answer) - 1)
 
 
 def serve_and_ask(export: Path, run_dir: Path, prompts: list) -> EagleRun:
