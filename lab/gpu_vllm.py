@@ -45,22 +45,6 @@ def say(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def replay_runs(prompts: list, answers: list[list[int]], layer_ids: list[int]) -> list[tuple[int, int]]:
-    """hstap's chain-3 greedy decoding replayed along vLLM's answers, the drafter fed `layer_ids` (fp32, CPU)."""
-    from hstap.drafter.load import load_drafter
-    from hstap.models import load_target
-    from hstap.runtime.shapes import DraftShape
-    from hstap.train import replay as rp
-
-    target = load_target("smollm2", device="cpu")
-    drafter = load_drafter("reference", target)
-    drafter.config.aux_layer_ids = list(layer_ids)
-    given = [rp.Answer(p.id, p.ids, a) for p, a in zip(prompts, answers)]
-    runs = rp.chain_runs(target, drafter, given, depth=eagle.CHAIN)
-    shape = DraftShape.parse(f"chain:{eagle.CHAIN}")
-    return [rp.replay([a], [r], shape, eagle.MAX_TOKENS) for a, r in zip(given, runs)]
-
-
 def step_eagle(out: Path) -> dict:
     from hstap.evaluate.run import load_prompts
     from hstap.models import load_tokenizer
@@ -74,8 +58,9 @@ def step_eagle(out: Path) -> dict:
     run = eagle.serve_and_ask(export, out / "serve-eagle", prompts)
     say(f"EAGLE-3 server: start {run.seconds['start']:.0f} s, 16 requests {run.seconds['requests']:.1f} s, "
         f"aux layers {run.aux_layers}")
-    tau_v, tau_h, tol = eagle.parity(run, replay_runs(prompts, run.answers, eagle.CANONICAL))
-    _, tau_off, tol_off = eagle.parity(run, replay_runs(prompts, run.answers, eagle.ONE_OFF))
+    replay = eagle.make_replay()  # the live test's replay: hstap's drafter along vLLM's answers, fp32, CPU
+    tau_v, tau_h, tol = eagle.parity(run, replay(prompts, run.answers, eagle.CANONICAL))
+    _, tau_off, tol_off = eagle.parity(run, replay(prompts, run.answers, eagle.ONE_OFF))
     say(f"vLLM τ {tau_v:.3f} (mean acceptance length {run.mean_acceptance_length():.3f}); hstap replay {tau_h:.3f} "
         f"± {tol:.3f} -> {'PASS' if abs(tau_v - tau_h) <= tol else 'FAIL'}; fed {eagle.ONE_OFF}: {tau_off:.3f} "
         f"-> {'caught' if abs(tau_v - tau_off) > tol_off else 'NOT caught'}")

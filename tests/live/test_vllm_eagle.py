@@ -47,6 +47,7 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,11 +155,10 @@ def vllm_ok(exports, prompts, tmp_path_factory) -> EagleRun:
     return serve_and_ask(exports["ok"], tmp_path_factory.mktemp("vllm-eagle-ok"), prompts)
 
 
-@pytest.fixture(scope="module")
-def replay():
+def make_replay() -> Callable[[list, list[list[int]], list[int]], list[tuple[int, int]]]:
     """`replay(prompts, answers, layer_ids) -> per-prompt (tokens, cycles)` of hstap's chain-3 greedy decoding
     along the given answers, its drafter fed the target's layers `layer_ids` (the target in fp32, as on a CPU).
-    Each (prompt, answer, layers) is replayed once per module: both servers give the same answers."""
+    Each (prompt, answer, layers) is replayed once per replay function: both servers give the same answers."""
     from hstap.drafter.load import load_drafter
     from hstap.models import load_target
     from hstap.runtime.shapes import DraftShape
@@ -184,6 +184,11 @@ def replay():
         return [done[k] for k in keys]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return make_replay()
 
 
 def parity(run: EagleRun, replayed: list[tuple[int, int]]) -> tuple[float, float, float]:
